@@ -1,0 +1,70 @@
+"""jmp_policy: mixed precision for JAX.
+
+Dtype policies (Keras / jmp names), loss scaling as an optax transformation,
+per-operation autocast, and Flax integration (``jmp_policy.flax``, optional).
+
+>>> import jmp_policy
+>>> policy = jmp_policy.Policy("mixed_bfloat16")
+>>> policy.compute_dtype
+dtype(bfloat16)
+"""
+
+from jmp_policy._dtypes import half_dtype
+from jmp_policy.policy import (
+    Policy,
+    cast_to_full,
+    cast_to_half,
+    dtype_policy,
+    get_policy,
+    global_policy,
+    policy_scope,
+    set_dtype_policy,
+    set_global_policy,
+    set_policy,
+    wrap,
+)
+from jmp_policy.policy_map import PolicyMap
+from jmp_policy.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    select_tree,
+)
+from jmp_policy.transform import (
+    LossScalingState,
+    get_loss_scale,
+    loss_scaling,
+    scaled_value_and_grad,
+)
+from jmp_policy.autocasting import autocast
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DynamicLossScale",
+    "LossScale",
+    "LossScalingState",
+    "NoOpLossScale",
+    "Policy",
+    "PolicyMap",
+    "StaticLossScale",
+    "all_finite",
+    "autocast",
+    "cast_to_full",
+    "cast_to_half",
+    "dtype_policy",
+    "get_loss_scale",
+    "get_policy",
+    "global_policy",
+    "half_dtype",
+    "loss_scaling",
+    "policy_scope",
+    "scaled_value_and_grad",
+    "select_tree",
+    "set_dtype_policy",
+    "set_global_policy",
+    "set_policy",
+    "wrap",
+]
