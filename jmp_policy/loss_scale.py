@@ -1,7 +1,412 @@
-"""PLACEHOLDER (owned by the loss-scaling helper): loss scales, all_finite, select_tree."""
-class NoOpLossScale: ...
-class StaticLossScale: ...
-class DynamicLossScale: ...
-LossScale = object
-def all_finite(tree): raise NotImplementedError
-def select_tree(pred, a, b): raise NotImplementedError
+"""Loss scales: keep small float16 gradients from flushing to zero.
+
+Multiplying the loss by a large scale before differentiating shifts every
+gradient up into float16's representable range; dividing the gradients by the
+same scale afterwards restores their true value. A *dynamic* loss scale finds
+the largest scale that does not overflow: it grows after ``period`` finite
+steps in a row and shrinks whenever a step overflows.
+
+The three classes have DeepMind jmp's signatures and pytree layout, so code
+written for ``jmp`` runs unchanged, with jmp's known bugs fixed:
+
+* the scale is always a float32 scalar (a float16 ``2.0**15`` used to overflow
+  when it grew), and ``scale``/``unscale`` keep every leaf's dtype;
+* ``period``, ``factor``, ``min_loss_scale`` and ``max_loss_scale`` are static
+  pytree data, so they survive ``jit``, ``tree_map`` and checkpointing;
+* a dynamic scale never becomes inf, 0 or NaN.
+
+>>> import jax.numpy as jnp
+>>> import jmp_policy
+>>> ls = jmp_policy.DynamicLossScale(period=2)
+>>> ls = ls.adjust(jnp.array(True)).adjust(jnp.array(True))
+>>> float(ls.loss_scale)
+65536.0
+>>> float(ls.adjust(jnp.array(False)).loss_scale)
+32768.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import warnings
+from typing import Any, Optional, TypeVar, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_policy._dtypes import is_floating_dtype
+
+T = TypeVar("T")
+
+# A dynamic scale stops here even with ``min_loss_scale=0``: below it float32
+# turns subnormal and then zero, and a zero scale could never grow back.
+_SMALLEST_SCALE = float(np.finfo(np.float32).tiny)
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+# ---------------------------------------------------------------------------
+# Helpers shared by the three loss scales.
+
+
+def _is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _leaf_dtype(x: Any) -> Optional[np.dtype]:
+    """The dtype of an array-like leaf, or None for leaves that are not numbers."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None:
+        return dtype
+    if isinstance(x, (bool, int, float, complex)):
+        return jnp.result_type(x)
+    return None
+
+
+def _warn_if_not_floating(x: Any, name: str) -> None:
+    dtype = _leaf_dtype(x)
+    if dtype is None or not is_floating_dtype(dtype):
+        # jmp's message: users filter warnings on it.
+        warnings.warn(
+            f"Expected floating type for {name}, got {dtype} (stored as float32).",
+            stacklevel=4,
+        )
+
+
+def _float_setting(x: Any, name: str) -> float:
+    """A static float setting (``min_loss_scale``...) from a Python or concrete array scalar."""
+    if _is_tracer(x):
+        raise TypeError(
+            f"{name} is a static setting and must be a concrete number, got a traced "
+            f"value {x}; build the loss scale outside jit or pass a Python float."
+        )
+    if isinstance(x, bool) or np.ndim(x) != 0:
+        raise TypeError(f"{name} must be a scalar number, got {x!r}.")
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a scalar number, got {x!r}.") from None
+
+
+def _scale_leaves(tree: T, factor: Any) -> T:
+    """Multiplies floating leaves by float32 ``factor``, keeping each leaf's dtype.
+
+    The product is taken in (at least) float32 and cast back, so a float16 leaf
+    times 65536 is not computed as float16(65536) = inf times the leaf.
+    """
+
+    def scale_leaf(x):
+        dtype = _leaf_dtype(x)
+        if dtype is None or not is_floating_dtype(dtype):
+            return x  # integer / boolean / key leaves carry no gradient signal
+        return (x * factor).astype(dtype)
+
+    return jax.tree_util.tree_map(scale_leaf, tree)
+
+
+def _as_float32_scalar(x: Any, name: str) -> jax.Array:
+    if np.ndim(x) != 0:
+        raise ValueError(f"{name} must be a scalar, got shape {np.shape(x)}.")
+    return jnp.asarray(x, dtype=jnp.float32)
+
+
+def _check_scale_value(value: float, name: str, *, allow_zero: bool) -> None:
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        valid = "a finite number >= 0" if allow_zero else "a finite number > 0"
+        raise ValueError(f"{name} must be {valid}, got {value}.")
+
+
+# ---------------------------------------------------------------------------
+# The loss scales.
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOpLossScale:
+    """No loss scaling: ``scale`` and ``unscale`` return their input unchanged.
+
+    >>> import jmp_policy
+    >>> jmp_policy.NoOpLossScale().scale(2.0)
+    2.0
+    """
+
+    @property
+    def loss_scale(self) -> np.float32:
+        return np.float32(1.0)
+
+    def scale(self, tree: T) -> T:
+        return tree
+
+    def unscale(self, tree: T) -> T:
+        return tree
+
+    def adjust(self, grads_finite: Any) -> "NoOpLossScale":
+        del grads_finite
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticLossScale:
+    """Scales and unscales by a fixed float32 constant.
+
+    The scale is static pytree data (the object has no leaves), so it may be
+    closed over or passed to ``jit`` as a static argument.
+
+    >>> import jax.numpy as jnp
+    >>> import jmp_policy
+    >>> ls = jmp_policy.StaticLossScale(128.0)
+    >>> ls.scale(jnp.float16(2.0)).dtype
+    dtype('float16')
+    >>> float(ls.unscale(ls.scale(jnp.float32(3.0))))
+    3.0
+    """
+
+    loss_scale: Any
+
+    def __post_init__(self) -> None:
+        value = self.loss_scale
+        _warn_if_not_floating(value, "loss_scale")
+        if _is_tracer(value):  # only usable inside the trace that made it
+            object.__setattr__(self, "loss_scale", _as_float32_scalar(value, "loss_scale"))
+            return
+        value = _float_setting(value, "loss_scale")
+        _check_scale_value(value, "StaticLossScale loss_scale", allow_zero=True)
+        object.__setattr__(self, "loss_scale", np.float32(value))
+
+    def scale(self, tree: T) -> T:
+        return _scale_leaves(tree, self.loss_scale)
+
+    def unscale(self, tree: T) -> T:
+        return _scale_leaves(tree, 1 / self.loss_scale)
+
+    def adjust(self, grads_finite: Any) -> "StaticLossScale":
+        del grads_finite
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    """A loss scale that grows while gradients stay finite and shrinks when they overflow.
+
+    The schedule is PyTorch's ``GradScaler`` / TF's ``LossScaleOptimizer``::
+
+        if grads_finite:
+            counter += 1
+            if counter == period:
+                counter = 0
+                if isfinite(loss_scale * factor):
+                    loss_scale = min(loss_scale * factor, max_loss_scale)
+        else:
+            counter = 0
+            loss_scale = max(loss_scale / factor, min_loss_scale, smallest normal float32)
+
+    Leaves are exactly ``[loss_scale, counter]`` (float32 and int32 scalars);
+    ``period``, ``factor``, ``min_loss_scale`` and ``max_loss_scale`` are static.
+
+    >>> import jax, jax.numpy as jnp
+    >>> import jmp_policy
+    >>> ls = jmp_policy.DynamicLossScale(2.0**15, period=100, min_loss_scale=1.0)
+    >>> ls = jax.jit(lambda s, f: s.adjust(f))(ls, jnp.array(False))
+    >>> float(ls.loss_scale), ls.period
+    (16384.0, 100)
+    """
+
+    loss_scale: Any = 2.0**15
+    counter: Any = 0
+    period: int = 2000
+    factor: Union[int, float] = 2
+    min_loss_scale: Any = 1.0
+    max_loss_scale: Optional[Any] = None
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass
+        _warn_if_not_floating(self.loss_scale, "loss_scale")
+        _warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
+
+        # Static settings: always concrete, validated here.
+        period = self.period
+        if isinstance(period, bool) or not isinstance(period, numbers.Integral) or period < 1:
+            raise ValueError(f"period must be an integer >= 1, got {period!r}.")
+        if period > _INT32_MAX:
+            raise ValueError(f"period must be at most {_INT32_MAX} (int32 counter), got {period}.")
+        set_("period", int(period))
+
+        factor = _float_setting(self.factor, "factor")
+        if not (math.isfinite(factor) and factor > 1):
+            raise ValueError(f"factor must be a finite number > 1, got {self.factor!r}.")
+        # Keep an integral factor an int (jmp's default ``2``), so the repr round-trips.
+        set_("factor", int(factor) if factor.is_integer() else factor)
+
+        min_scale = _float_setting(self.min_loss_scale, "min_loss_scale")
+        _check_scale_value(min_scale, "min_loss_scale", allow_zero=True)
+        set_("min_loss_scale", min_scale)
+        if self.max_loss_scale is not None:
+            max_scale = _float_setting(self.max_loss_scale, "max_loss_scale")
+            _check_scale_value(max_scale, "max_loss_scale", allow_zero=False)
+            if max_scale < min_scale:
+                raise ValueError(
+                    f"min_loss_scale ({min_scale}) must be <= max_loss_scale ({max_scale})."
+                )
+            set_("max_loss_scale", max_scale)
+
+        # Leaves: may be tracers when built inside jit; only concrete values are checked.
+        loss_scale = _as_float32_scalar(self.loss_scale, "loss_scale")
+        counter = self.counter
+        if np.ndim(counter) != 0:
+            raise ValueError(f"counter must be a scalar, got shape {np.shape(counter)}.")
+        if not _is_tracer(self.loss_scale):
+            value = float(loss_scale)
+            low, high = max(min_scale, _SMALLEST_SCALE), self.max_loss_scale
+            if not math.isfinite(value) or value < low or (high is not None and value > high):
+                bounds = f"[{low}, {high if high is not None else 'float32 max'}]"
+                raise ValueError(
+                    f"DynamicLossScale loss_scale must be finite and within "
+                    f"[max(min_loss_scale, smallest normal float32), max_loss_scale] = "
+                    f"{bounds}, got {float(np.asarray(self.loss_scale))}."
+                )
+        if not _is_tracer(counter):
+            if not (0 <= int(counter) < period) or int(counter) != counter:
+                raise ValueError(f"counter must be an integer in [0, period={period}), got {counter!r}.")
+        set_("loss_scale", loss_scale)
+        set_("counter", jnp.asarray(counter, dtype=jnp.int32))
+
+    def scale(self, tree: T) -> T:
+        return _scale_leaves(tree, self.loss_scale)
+
+    def unscale(self, tree: T) -> T:
+        return _scale_leaves(tree, 1 / self.loss_scale)
+
+    def adjust(self, grads_finite: Any) -> "DynamicLossScale":
+        """Returns the next loss scale given whether this step's gradients were finite."""
+        grads_finite = _check_bool_scalar(grads_finite, "adjust(grads_finite)")
+        counter = self.counter + 1
+        grow = grads_finite & (counter >= self.period)
+
+        grown = self.loss_scale * self.factor
+        # PyTorch/TF rule: a growth that overflows float32 is not taken.
+        grown = jnp.where(jnp.isfinite(grown), grown, self.loss_scale)
+        if self.max_loss_scale is not None:
+            grown = jnp.minimum(grown, self.max_loss_scale)
+        shrunk = jnp.maximum(
+            self.loss_scale / self.factor, max(self.min_loss_scale, _SMALLEST_SCALE)
+        )
+        loss_scale = jnp.where(
+            grads_finite, jnp.where(grow, grown, self.loss_scale), shrunk
+        ).astype(jnp.float32)
+        counter = jnp.where(grads_finite & ~grow, counter, 0).astype(jnp.int32)
+        return self._replace_leaves(loss_scale, counter)
+
+    def _replace_leaves(self, loss_scale: Any, counter: Any) -> "DynamicLossScale":
+        # Bypasses __init__: leaves may be tracers or the placeholders JAX uses
+        # when it rebuilds pytrees, and the static settings are already valid.
+        new = object.__new__(DynamicLossScale)
+        for field in dataclasses.fields(self):
+            object.__setattr__(new, field.name, getattr(self, field.name))
+        object.__setattr__(new, "loss_scale", loss_scale)
+        object.__setattr__(new, "counter", counter)
+        return new
+
+
+def _register_leafless(cls: type) -> None:
+    jax.tree_util.register_pytree_with_keys(
+        cls, lambda x: ((), x), lambda aux, _: aux, flatten_func=lambda x: ((), x)
+    )
+
+
+_register_leafless(NoOpLossScale)
+_register_leafless(StaticLossScale)
+
+
+def _dynamic_flatten_with_keys(ls: DynamicLossScale):
+    keys = (jax.tree_util.GetAttrKey("loss_scale"), jax.tree_util.GetAttrKey("counter"))
+    static = (ls.period, ls.factor, ls.min_loss_scale, ls.max_loss_scale)
+    return tuple(zip(keys, (ls.loss_scale, ls.counter))), static
+
+
+def _dynamic_flatten(ls: DynamicLossScale):
+    return (ls.loss_scale, ls.counter), (ls.period, ls.factor, ls.min_loss_scale, ls.max_loss_scale)
+
+
+def _dynamic_unflatten(static, leaves) -> DynamicLossScale:
+    new = object.__new__(DynamicLossScale)
+    period, factor, min_scale, max_scale = static
+    loss_scale, counter = leaves
+    for name, value in (
+        ("loss_scale", loss_scale), ("counter", counter), ("period", period),
+        ("factor", factor), ("min_loss_scale", min_scale), ("max_loss_scale", max_scale),
+    ):
+        object.__setattr__(new, name, value)
+    return new
+
+
+jax.tree_util.register_pytree_with_keys(
+    DynamicLossScale, _dynamic_flatten_with_keys, _dynamic_unflatten, flatten_func=_dynamic_flatten
+)
+
+#: The type to annotate loss-scale arguments with (as in jmp).
+LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
+
+
+# ---------------------------------------------------------------------------
+# Tree utilities.
+
+
+def _check_bool_scalar(pred: Any, what: str) -> jax.Array:
+    dtype = _leaf_dtype(pred)
+    if dtype is None or np.ndim(pred) != 0 or dtype != np.bool_:
+        raise ValueError(
+            f"{what}: expected boolean scalar (a bool array of shape ()), got "
+            f"{'shape ' + str(np.shape(pred)) + ' ' if dtype is not None else ''}"
+            f"{dtype if dtype is not None else type(pred).__name__}."
+        )
+    return jnp.asarray(pred)
+
+
+def _nan_if_not_finite(x: jax.Array) -> jax.Array:
+    """A float32 scalar: 0 if every element of ``x`` is finite, NaN otherwise.
+
+    ``x * 0`` is 0 for finite values and NaN for inf/NaN, so the sum never
+    overflows and XLA fuses the multiply into the reduction: one read of ``x``,
+    no boolean mask.
+    """
+    return jnp.sum(x * jnp.zeros((), x.dtype)).astype(jnp.float32)
+
+
+def _nonfinite_sum(leaves) -> jax.Array:
+    """0 if all floating leaves are finite, else NaN (a float32 scalar)."""
+    total = jnp.zeros((), jnp.float32)
+    for x in leaves:
+        dtype = _leaf_dtype(x)
+        if dtype is not None and is_floating_dtype(dtype) and np.size(x):
+            total = total + _nan_if_not_finite(jnp.asarray(x))
+    return total
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """A scalar bool array: True iff every floating leaf of ``tree`` is finite.
+
+    Non-floating leaves are ignored; an empty tree (or ``None``) is finite.
+    Under jit this is one multiply-and-sum per leaf fused into a single pass
+    and a single ``isfinite`` test, not a boolean mask per leaf.
+
+    >>> import jax.numpy as jnp
+    >>> import jmp_policy
+    >>> bool(jmp_policy.all_finite({"a": jnp.ones(3), "step": jnp.int32(1)}))
+    True
+    >>> bool(jmp_policy.all_finite([jnp.array([1.0, jnp.inf])]))
+    False
+    """
+    return jnp.isfinite(_nonfinite_sum(jax.tree_util.tree_leaves(tree)))
+
+
+def select_tree(pred: Any, a: T, b: T) -> T:
+    """Returns ``a`` where the scalar bool ``pred`` is True, else ``b`` (leaf by leaf).
+
+    >>> import jax.numpy as jnp
+    >>> import jmp_policy
+    >>> jmp_policy.select_tree(jnp.array(False), {"x": jnp.ones(2)}, {"x": jnp.zeros(2)})["x"]
+    Array([0., 0.], dtype=float32)
+    """
+    pred = _check_bool_scalar(pred, "select_tree(pred, a, b)")
+    return jax.tree_util.tree_map(lambda x, y: jax.lax.select(pred, x, y), a, b)

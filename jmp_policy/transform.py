@@ -1,5 +1,280 @@
-"""PLACEHOLDER (owned by the loss-scaling helper): the optax transformation."""
-class LossScalingState: ...
-def loss_scaling(inner, loss_scale="dynamic", *, axis_name=None): raise NotImplementedError
-def get_loss_scale(opt_state): raise NotImplementedError
-def scaled_value_and_grad(fun, argnums=0, has_aux=False): raise NotImplementedError
+"""Loss scaling as an optax transformation that skips non-finite steps.
+
+``loss_scaling(inner)`` wraps any optax optimizer. Each ``update``:
+
+1. unscales the gradients of the scaled loss;
+2. checks that every unscaled gradient is finite (one fused reduction, plus
+   one collective over ``axis_name`` when given);
+3. runs ``inner`` on finite steps only; a non-finite step returns zero updates
+   and leaves ``inner``'s state bit-for-bit unchanged;
+4. adjusts the loss scale.
+
+The skip is a ``lax.cond``, not a ``select`` over every leaf: with donated
+params and optimizer state, XLA then updates buffers in place, and the
+unscale multiply fuses into the optimizer's first elementwise op.
+
+>>> import jax, jax.numpy as jnp, optax
+>>> import jmp_policy
+>>> params = {"w": jnp.ones(3)}
+>>> tx = jmp_policy.loss_scaling(optax.sgd(0.1), "dynamic")
+>>> state = tx.init(params)
+>>> loss_fn = lambda p: jnp.sum(p["w"] ** 2)
+>>> loss, grads = jmp_policy.scaled_value_and_grad(loss_fn)(jmp_policy.get_loss_scale(state), params)
+>>> updates, state = tx.update(grads, state, params)
+>>> updates["w"]
+Array([-0.2, -0.2, -0.2], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Any, Callable, NamedTuple, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_policy._dtypes import is_floating_dtype
+from jmp_policy.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    _nonfinite_sum,
+)
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+class LossScalingState(NamedTuple):
+    """State of `loss_scaling`.
+
+    Attributes:
+      loss_scale: the current loss-scale object (use it to scale the next loss).
+      inner_state: the wrapped optimizer's state.
+      grads_finite: bool scalar, whether the last step's unscaled grads were finite.
+      skipped_steps: int32 scalar, how many steps were skipped (saturates at int32 max).
+    """
+
+    loss_scale: LossScale
+    inner_state: optax.OptState
+    grads_finite: jax.Array
+    skipped_steps: jax.Array
+
+
+def _as_loss_scale(loss_scale: Any) -> LossScale:
+    """Turns `loss_scaling`'s ``loss_scale`` argument into a loss-scale object."""
+    from jmp_policy.policy import Policy  # policy.py builds loss scales from this module
+
+    if loss_scale is None:
+        return NoOpLossScale()
+    if isinstance(loss_scale, str):
+        if loss_scale == "dynamic":
+            return DynamicLossScale()
+        raise ValueError(
+            f"loss_scale={loss_scale!r} is not understood: expected 'dynamic', a number "
+            "(static scale), None (no scaling), a loss-scale object or a jmp_policy.Policy."
+        )
+    if isinstance(loss_scale, Policy):
+        return loss_scale.loss_scale
+    if isinstance(loss_scale, (NoOpLossScale, StaticLossScale, DynamicLossScale)):
+        return loss_scale
+    if isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, bool):
+        return StaticLossScale(loss_scale)
+    if all(hasattr(loss_scale, a) for a in ("loss_scale", "scale", "unscale", "adjust")):
+        return loss_scale  # a user-defined loss scale with the same interface
+    raise TypeError(
+        f"loss_scale must be 'dynamic', a number, None, a loss-scale object "
+        f"(NoOpLossScale/StaticLossScale/DynamicLossScale) or a jmp_policy.Policy, "
+        f"got {loss_scale!r} of type {type(loss_scale).__name__}."
+    )
+
+
+def loss_scaling(
+    inner: optax.GradientTransformation,
+    loss_scale: Any = "dynamic",
+    *,
+    axis_name: Union[None, str, Sequence[str]] = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps ``inner`` so that it sees unscaled gradients and skips non-finite steps.
+
+    Args:
+      inner: the optimizer to apply on finite steps (any optax transformation;
+        extra ``update`` keyword arguments are passed through to it).
+      loss_scale: ``"dynamic"`` (a `DynamicLossScale` with default settings), a
+        number (static scale), ``None`` (no scaling, non-finite steps are still
+        skipped), a loss-scale object, or a `jmp_policy.Policy` (its loss scale).
+      axis_name: name(s) of mapped axes (``shard_map``/``pmap``) whose devices
+        hold different gradients: a non-finite gradient on any of them makes all
+        of them skip. Not needed under plain ``jit`` with sharded arrays, where
+        the finiteness reduction is already global.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; its state is a `LossScalingState`.
+
+    >>> import jax.numpy as jnp, optax
+    >>> import jmp_policy
+    >>> tx = jmp_policy.loss_scaling(optax.adam(1e-3), 2.0**10)
+    >>> state = tx.init({"w": jnp.zeros(2)})
+    >>> updates, state = tx.update({"w": jnp.array([1.0, jnp.nan])}, state)
+    >>> bool(state.grads_finite), int(state.skipped_steps), updates["w"]
+    (False, 1, Array([0., 0.], dtype=float32))
+    """
+    initial_scale = _as_loss_scale(loss_scale)
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        return LossScalingState(
+            loss_scale=initial_scale,
+            inner_state=inner.init(params),
+            grads_finite=jnp.asarray(True),
+            skipped_steps=jnp.zeros((), jnp.int32),
+        )
+
+    def update_fn(grads, state, params=None, **extra_args):
+        if not isinstance(state, LossScalingState):
+            raise TypeError(
+                f"loss_scaling.update expected a LossScalingState (from this "
+                f"transformation's init), got {type(state).__name__}."
+            )
+        scale = state.loss_scale
+        unscaled = scale.unscale(grads)
+        # Finiteness of the unscaled grads: XLA fuses the unscale into the
+        # reduction, so this reads each gradient once and writes one scalar.
+        nonfinite = _nonfinite_sum(jax.tree_util.tree_leaves(unscaled))
+        if axis_name is not None:
+            # NaN propagates through the sum: one scalar collective.
+            nonfinite = jax.lax.psum(nonfinite, axis_name)
+        grads_finite = jnp.isfinite(nonfinite)
+
+        def apply_inner(grads, inner_state, params, extra_args):
+            # Unscaling again here (rather than reusing `unscaled`) lets XLA fuse
+            # the multiply into the optimizer's first op instead of materialising it.
+            return inner.update(scale.unscale(grads), inner_state, params, **extra_args)
+
+        def keep(grads, inner_state, params, extra_args):
+            updates_shape, _ = jax.eval_shape(apply_inner, grads, inner_state, params, extra_args)
+            zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), updates_shape)
+            return zeros, inner_state
+
+        updates, inner_state = jax.lax.cond(
+            grads_finite, apply_inner, keep, grads, state.inner_state, params, extra_args
+        )
+        skipped = state.skipped_steps
+        skipped = skipped + (~grads_finite & (skipped < _INT32_MAX)).astype(jnp.int32)
+        new_state = LossScalingState(
+            loss_scale=scale.adjust(grads_finite),
+            inner_state=inner_state,
+            grads_finite=grads_finite,
+            skipped_steps=skipped,
+        )
+        return updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _find_states(tree: Any, found: list) -> None:
+    is_state = lambda x: isinstance(x, LossScalingState)
+    for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_state):
+        if is_state(leaf):
+            found.append(leaf)
+            _find_states(leaf.inner_state, found)  # nested loss_scaling is ambiguous
+
+
+def get_loss_scale(opt_state: Any) -> LossScale:
+    """Returns the loss-scale object of the `LossScalingState` inside ``opt_state``.
+
+    The state may be nested anywhere: ``optax.chain``, ``named_chain``,
+    ``inject_hyperparams``, ``MultiSteps``, dicts, tuples...
+
+    >>> import jax.numpy as jnp, optax
+    >>> import jmp_policy
+    >>> tx = optax.MultiSteps(jmp_policy.loss_scaling(optax.sgd(0.1)), every_k_schedule=2)
+    >>> float(jmp_policy.get_loss_scale(tx.init(jnp.zeros(2))).loss_scale)
+    32768.0
+    """
+    found: list = []
+    _find_states(opt_state, found)
+    if not found:
+        raise ValueError(
+            "get_loss_scale: no LossScalingState found in the optimizer state; build "
+            "the optimizer with jmp_policy.loss_scaling(inner, loss_scale) and pass its state."
+        )
+    if len(found) > 1:
+        raise ValueError(
+            f"get_loss_scale: the optimizer state holds {len(found)} LossScalingStates, "
+            "so the loss scale is ambiguous; pass the sub-state of the one you mean."
+        )
+    return found[0].loss_scale
+
+
+def _scale_value(loss_scale: Any) -> jax.Array:
+    """The float32 scalar to multiply the loss by."""
+    value = getattr(loss_scale, "loss_scale", loss_scale)
+    if isinstance(value, bool) or getattr(value, "dtype", None) == np.bool_:
+        raise TypeError(f"loss_scale must be a number or a loss-scale object, got {loss_scale!r}.")
+    try:
+        value = jnp.asarray(value, dtype=jnp.float32)
+    except TypeError:
+        raise TypeError(
+            "loss_scale must be a loss-scale object (e.g. jmp_policy.get_loss_scale(opt_state)) "
+            f"or a number/scalar array, got {loss_scale!r} of type {type(loss_scale).__name__}."
+        ) from None
+    if value.ndim != 0:
+        raise ValueError(f"loss_scale must be a scalar, got shape {value.shape}.")
+    return value
+
+
+def scaled_value_and_grad(
+    fun: Callable[..., Any],
+    argnums: Union[int, Sequence[int]] = 0,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """Like ``jax.value_and_grad``, but differentiates ``fun``'s loss times a loss scale.
+
+    Returns ``g(loss_scale, *args, **kwargs) -> (value, grads)`` where ``value``
+    is ``fun``'s unscaled result (``(loss, aux)`` when ``has_aux``) and
+    ``grads`` are the gradients of ``loss * loss_scale``, ready for a
+    `loss_scaling` optimizer's ``update``. A half-precision loss is promoted to
+    float32 before scaling, so ``loss * 2**15`` cannot overflow float16.
+
+    >>> import jax.numpy as jnp
+    >>> import jmp_policy
+    >>> f = lambda w: jnp.sum(w.astype(jnp.float16) ** 2)
+    >>> loss, grads = jmp_policy.scaled_value_and_grad(f)(1024.0, jnp.ones(2))
+    >>> loss.dtype, grads
+    (dtype('float16'), Array([2048., 2048.], dtype=float32))
+    """
+
+    def value_and_grad(loss_scale, *args, **kwargs):
+        scale = _scale_value(loss_scale)
+
+        def scaled_loss(*args, **kwargs):
+            out = fun(*args, **kwargs)
+            if has_aux:
+                if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                    raise TypeError(
+                        "scaled_value_and_grad(has_aux=True): fun must return a pair "
+                        f"(loss, aux), got {type(out).__name__}."
+                    )
+                loss, aux = out
+            else:
+                loss, aux = out, None
+            dtype = getattr(loss, "dtype", None)
+            if dtype is None or not is_floating_dtype(dtype) or np.ndim(loss) != 0:
+                raise TypeError(
+                    "scaled_value_and_grad: fun must return a floating scalar loss"
+                    f"{' as the first element of (loss, aux)' if has_aux else ''}, got "
+                    f"{getattr(loss, 'shape', '')} "
+                    f"{dtype if dtype is not None else type(loss).__name__}."
+                )
+            # Promote float16/bfloat16 losses: float16(loss) * 32768 overflows easily.
+            wide = loss.astype(jnp.promote_types(dtype, jnp.float32))
+            return wide * scale, (loss, aux)
+
+        grads, (loss, aux) = jax.grad(scaled_loss, argnums=argnums, has_aux=True)(*args, **kwargs)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return value_and_grad
