@@ -218,9 +218,9 @@ def _parse_name(full: str) -> Tuple[Optional[np.dtype], Optional[np.dtype], Opti
     simple = parts[0] if "=" not in parts[0] else None
     values: dict = {}
     for part in parts[1:] if simple is not None else parts:
-        if part.count("=") != 1:
+        key, _, value = (s.strip() for s in part.partition("="))
+        if not _ or ("=" in value and key != "loss_scale"):  # dynamic(...) has '=' inside
             raise _bad_name(full, f"part {part!r} is not of the form key=value")
-        key, value = (s.strip() for s in part.split("="))
         if key not in _KEYS:
             raise _bad_name(full, f"unknown key {key!r} (expected one of "
                                   "params/p, compute/c, output/o, loss_scale)")

@@ -558,3 +558,76 @@ def test_casts_preserve_shardings_on_8_devices():
     proc = subprocess.run([sys.executable, "-c", _SHARDING_SCRIPT], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------
+# The loss_scale keyword (part of a policy's value)
+# ---------------------------------------------------------------------------
+def test_default_loss_scale_dynamic_only_for_float16():
+    ls = Policy("mixed_float16").loss_scale
+    assert isinstance(ls, jmp_policy.DynamicLossScale)
+    assert float(ls.loss_scale) == 2.0**15 and ls.period == 2000 and ls.factor == 2
+    assert isinstance(Policy("float16").loss_scale, jmp_policy.DynamicLossScale)
+    assert isinstance(Policy("p=f32,c=f16,o=f32").loss_scale, jmp_policy.DynamicLossScale)
+    for name in ["float32", "mixed_bfloat16", "bfloat16", "p=f16,c=f32"]:
+        assert isinstance(Policy(name).loss_scale, jmp_policy.NoOpLossScale), name
+
+
+def test_loss_scale_is_part_of_the_value():
+    default = Policy("mixed_float16")
+    assert default == Policy("mixed_float16", loss_scale="dynamic")
+    assert default == Policy("mixed_float16", loss_scale=jmp_policy.DynamicLossScale())
+    assert default == Policy("mixed_float16", loss_scale=jmp_policy.DynamicLossScale(np.float16(2**15)))
+    none = Policy("mixed_float16", loss_scale=None)
+    assert none != default and hash(none) != hash(default)
+    assert none == Policy("mixed_float16", loss_scale=jmp_policy.NoOpLossScale())
+    assert isinstance(none.loss_scale, jmp_policy.NoOpLossScale)
+    static = Policy("mixed_bfloat16", loss_scale=1024.0)
+    assert isinstance(static.loss_scale, jmp_policy.StaticLossScale)
+    assert float(static.loss_scale.loss_scale) == 1024.0
+    assert static == Policy("mixed_bfloat16", loss_scale=jmp_policy.StaticLossScale(1024.0))
+    assert Policy("float32", loss_scale="dynamic") != Policy("float32")
+
+
+@pytest.mark.parametrize("policy", [
+    Policy("mixed_float16", loss_scale=None),
+    Policy("mixed_bfloat16", loss_scale="dynamic"),
+    Policy("float32", loss_scale=0.5),
+    Policy("mixed_float16", loss_scale=jmp_policy.DynamicLossScale(
+        2.0**10, period=10, factor=3, min_loss_scale=2.0, max_loss_scale=2.0**20)),
+    Policy("mixed_float16", loss_scale=jmp_policy.DynamicLossScale(period=7, factor=1.5)),
+])
+def test_loss_scale_round_trips_through_name_and_config(policy):
+    assert Policy(str(policy)) == policy
+    assert Policy.from_config(policy.get_config()) == policy
+    assert pickle.loads(pickle.dumps(policy)) == policy
+    assert repr(policy).startswith(f'<Policy "{policy.name},loss_scale=')
+    ls = policy.loss_scale
+    again = Policy(policy.name, loss_scale=ls)
+    assert again == policy
+
+
+def test_dynamic_settings_survive_in_the_policy():
+    ls = Policy("mixed_float16", loss_scale=jmp_policy.DynamicLossScale(
+        2.0**10, period=10, factor=3, min_loss_scale=2.0, max_loss_scale=2.0**20)).loss_scale
+    assert (float(ls.loss_scale), ls.period, ls.factor, float(ls.min_loss_scale),
+            float(ls.max_loss_scale)) == (1024.0, 10, 3, 2.0, 2.0**20)
+
+
+def test_bad_loss_scale_arguments():
+    with pytest.raises(ValueError, match="Unknown loss_scale 'static'"):
+        Policy("float32", loss_scale="static")
+    with pytest.raises(ValueError, match="loss_scale"):
+        Policy("float32", loss_scale=-1.0)
+    with pytest.raises(TypeError, match="loss_scale must be"):
+        Policy("float32", loss_scale=[1.0])
+    with pytest.warns(UserWarning, match="Expected floating type for loss_scale"):
+        p = Policy("float32", loss_scale=8)
+    assert p == Policy("float32", loss_scale=8.0)
+
+    @jax.jit
+    def build(x):
+        return Policy("float32", loss_scale=jmp_policy.StaticLossScale(x)).name
+
+    with pytest.raises(TypeError, match="traced value"):
+        build(jnp.float32(2.0))
