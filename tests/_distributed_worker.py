@@ -173,46 +173,52 @@ def _mesh_steps(mesh, shardings):
 
 
 def scenario_shard_map():
-    """Each device updates its own slice of the params; finiteness is agreed over `axis_name`."""
+    """ZeRO/FSDP-style shard_map: each device holds and updates one slice of the
+    params, grads and Adam moments; finiteness is agreed over `axis_name`."""
     mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
     n = mesh.size
     params = {k: jnp.asarray(v) for k, v in host_params().items()}
-    facts = {}
+    facts = {"num_devices": n}
     for axis_name in ("d", None):
         tx = make_tx(axis_name=axis_name)
+        opt_state = tx.init(params)
+        # Arrays are sliced along their leading axis; scalars (Adam's count,
+        # the loss scale, the counters) are replicated.
+        spec = lambda x: P("d") if x.ndim else P()
+        state_specs = jax.tree.map(spec, opt_state)
 
         def local_step(params, opt_state, grads):
             updates, opt_state = tx.update(grads, opt_state, params)
-            # A leading axis of 1 per device, so every device's copy of the
-            # (replicated by construction) scalars comes back for comparison.
-            per_device = jax.tree.map(lambda x: x[None], opt_state)
+            # Every device's own copy of each scalar comes back (leading axis of 1),
+            # so that their agreement is observed rather than assumed.
+            per_device = jax.tree.map(lambda x: x if x.ndim else x[None], opt_state)
             return optax.apply_updates(params, updates), per_device
 
-        sharded = P("d")
+        # check_vma stays at its default (True): the types must hold up too.
         step = jax.jit(jax.shard_map(
             local_step, mesh=mesh,
-            in_specs=(sharded, P(), sharded), out_specs=(sharded, sharded),
-            check_vma=False))
-        # Slices along the leading axis: device i owns rows [i*k, (i+1)*k).
-        opt_state = tx.init(jax.tree.map(lambda x: x[: x.shape[0] // n], params))
+            in_specs=(P("d"), state_specs, P("d")), out_specs=(P("d"), P("d"))))
         grads = host_grads(0)
         grads["mlp/down"][5 * (128 // n), 0] = np.inf  # a row owned by device 5 only
         new_params, per_device = step(params, opt_state, grads)
-        scales = np.asarray(jmp_policy.get_loss_scale(per_device).loss_scale).tolist()
-        changed_rows = {
-            k: [bool((np.asarray(new_params[k]).reshape(n, -1)
-                      != np.asarray(params[k]).reshape(n, -1))[i].any()) for i in range(n)]
-            for k in SHAPES}
+        changed = [
+            any(bool((np.asarray(new_params[k]).reshape(n, -1)
+                      != np.asarray(params[k]).reshape(n, -1))[i].any()) for k in SHAPES)
+            for i in range(n)]
+        mu_changed = [
+            any(bool(np.asarray(per_device.inner_state[0].mu[k]).reshape(n, -1)[i].any())
+                for k in SHAPES)
+            for i in range(n)]
         facts[str(axis_name)] = {
-            "scales_per_device": scales,
+            "scales_per_device": np.asarray(
+                jmp_policy.get_loss_scale(per_device).loss_scale).tolist(),
             "skipped_per_device": np.asarray(per_device.skipped_steps).tolist(),
             "finite_per_device": np.asarray(per_device.grads_finite).tolist(),
-            "device_updated_params": [any(changed_rows[k][i] for k in SHAPES)
-                                      for i in range(n)],
+            "device_updated_params": changed,
+            "device_updated_moments": mu_changed,
             "all_params_finite": bool(all(np.isfinite(np.asarray(x)).all()
                                           for x in jax.tree.leaves(new_params))),
         }
-    facts["num_devices"] = n
     return facts
 
 

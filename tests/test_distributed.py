@@ -82,6 +82,7 @@ def test_axis_name_under_shard_map_makes_every_device_skip(tmp_path):
     agreed = facts["d"]
     assert agreed["finite_per_device"] == [False] * n
     assert agreed["device_updated_params"] == [False] * n
+    assert agreed["device_updated_moments"] == [False] * n  # Adam's moments start at 0
     assert agreed["skipped_per_device"] == [1] * n
     assert agreed["scales_per_device"] == [INITIAL_SCALE / 2] * n
     assert agreed["all_params_finite"]
@@ -90,6 +91,7 @@ def test_axis_name_under_shard_map_makes_every_device_skip(tmp_path):
     # skips and the scales drift apart: the agreement above is axis_name's doing.
     alone = facts["None"]
     assert alone["device_updated_params"] == [i != 5 for i in range(n)]
+    assert alone["device_updated_moments"] == [i != 5 for i in range(n)]
     assert alone["scales_per_device"] == [INITIAL_SCALE / 2 if i == 5 else INITIAL_SCALE
                                           for i in range(n)]
 
