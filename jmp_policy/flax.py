@@ -1,0 +1,367 @@
+"""Flax integration: policies for linen and NNX modules (optional; needs flax).
+
+``import jmp_policy`` never imports this module; ``import jmp_policy.flax`` does,
+and imports flax.
+
+Flax layers already know two dtypes: ``dtype`` (the computation) and
+``param_dtype`` (the stored parameters). A policy maps onto them directly:
+
+>>> import flax.linen as nn
+>>> import jmp_policy, jmp_policy.flax
+>>> layer = nn.Dense(10, **jmp_policy.flax.module_kwargs("mixed_bfloat16"))
+>>> layer.dtype, layer.param_dtype
+(dtype(bfloat16), dtype('float32'))
+
+Per-module policies (the Flax form of Haiku's ``hk.mixed_precision.set_policy``):
+`module_policy` overrides the policy of every linen module matched by class or
+by path, for the calls made inside a ``with`` block, through Flax's own method
+interception (``flax.linen.intercept_methods``), so it is thread-local:
+
+>>> import jax, jax.numpy as jnp
+>>> class Net(nn.Module):
+...     @nn.compact
+...     def __call__(self, x):
+...         x = nn.Dense(8, dtype=jnp.bfloat16)(x)
+...         return nn.LayerNorm(dtype=jnp.bfloat16)(x)
+>>> net = Net()
+>>> params = net.init(jax.random.key(0), jnp.ones((2, 4)))
+>>> with jmp_policy.flax.module_policy({nn.LayerNorm: "float32"}):
+...     y = net.apply(params, jnp.ones((2, 4)))
+>>> y.dtype
+dtype('float32')
+
+NNX modules are configured with `module_kwargs` too (or changed in place with
+`set_nnx_policy`); train them with ``nnx.Optimizer`` wrapping
+`jmp_policy.loss_scaling`, taking gradients with `nnx_scaled_value_and_grad`
+and reading the scale back with `optimizer_loss_scale`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+from typing import Any, Callable, Iterable, Mapping, Optional, Tuple, Union
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import jmp_policy
+from jmp_policy.policy import Policy, PolicyLike, as_policy
+
+__all__ = [
+    "ModulePolicy",
+    "module_kwargs",
+    "module_policy",
+    "nnx_scaled_value_and_grad",
+    "optimizer_loss_scale",
+    "optimizer_skipped_steps",
+    "set_nnx_policy",
+]
+
+# A rule's key: a module class (matches instances of it and of its subclasses)
+# or a regex ``re.search``-ed against the module's ``/``-joined path.
+RuleKey = Union[type, str]
+Rules = Union[Mapping[RuleKey, PolicyLike], Iterable[Tuple[RuleKey, PolicyLike]]]
+
+
+def module_kwargs(policy: PolicyLike = None) -> dict:
+    """A policy as Flax constructor arguments: ``{"dtype": compute, "param_dtype": param}``.
+
+    Works for linen (``nn.Dense(10, **module_kwargs(p))``) and NNX
+    (``nnx.Linear(3, 10, **module_kwargs(p), rngs=rngs)``) layers alike.
+    ``None`` is the global policy. For the deprecated infer policies ``dtype`` is
+    ``None``, which Flax reads as "infer from the inputs and parameters".
+
+    Flax layers output their computation dtype, like Keras layers, so a policy
+    whose output dtype differs from its compute dtype needs ``policy.wrap`` (or
+    `module_policy`) around the call to get that output dtype.
+
+    >>> module_kwargs("mixed_float16")
+    {'dtype': dtype('float16'), 'param_dtype': dtype('float32')}
+    """
+    policy = as_policy(policy)
+    if policy.param_dtype is None:
+        raise ValueError(
+            f"Policy {policy} has no parameter dtype (the deprecated 'infer' policy); Flax "
+            "layers need one. Use e.g. 'float32' or 'infer_float32_vars'.")
+    return {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
+
+
+# ---------------------------------------------------------------------------
+# Linen: per-module policies through method interception.
+# ---------------------------------------------------------------------------
+def _compile_rules(rules: Rules) -> Tuple[Tuple[RuleKey, Any, Policy], ...]:
+    if isinstance(rules, (str, bytes)) or rules is None:
+        raise TypeError(
+            "module_policy rules must be a mapping or a sequence of (key, policy) pairs, where a "
+            f"key is a flax.linen.Module subclass or a path regex; got {rules!r}.")
+    items = rules.items() if isinstance(rules, Mapping) else rules
+    compiled = []
+    for n, item in enumerate(items):
+        try:
+            key, policy = item
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"module_policy rule #{n} is {item!r}; each rule must be a (key, policy) pair."
+            ) from None
+        if isinstance(key, str):
+            try:
+                matcher: Any = re.compile(key)
+            except re.error as e:
+                raise ValueError(
+                    f"module_policy rule #{n}: {key!r} is not a valid regular expression ({e}); "
+                    "string keys are Python `re` patterns searched in module paths such as "
+                    "'Block_0/LayerNorm_0'.") from None
+        elif isinstance(key, type) and issubclass(key, (nn.Module, nnx.Module)):
+            matcher = key
+        else:
+            raise TypeError(
+                f"module_policy rule #{n}: the key must be a Module subclass (e.g. nn.LayerNorm) "
+                f"or a path regex string, got {key!r}.")
+        try:
+            compiled.append((key, matcher, as_policy(policy)))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"module_policy rule #{n} ({key!r}): {e}") from None
+    return tuple(compiled)
+
+
+def _path_str(path: Iterable[Any]) -> str:
+    return "/".join(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p))))
+                    for p in path)
+
+
+def _match(compiled, default: Optional[Policy], module: Any, path: str) -> Optional[Policy]:
+    for _, matcher, policy in compiled:
+        if isinstance(matcher, type):
+            if isinstance(module, matcher):
+                return policy
+        elif matcher.search(path):
+            return policy
+    # The default is for layers (modules with a ``dtype`` field). Applied to a
+    # container it would also cast the container's result, e.g. turn the float32
+    # logits a rule asked for back into bfloat16.
+    if default is not None and _has_field(module, "dtype"):
+        return default
+    return None
+
+
+def _has_field(module: Any, name: str) -> bool:
+    fields = getattr(module, "__dataclass_fields__", None)
+    return name in (fields if fields is not None else vars(module))
+
+
+def _dtype_overrides(module: Any, policy: Policy) -> dict:
+    """The dtype fields of ``module`` that ``policy`` sets; fields it lacks are left alone."""
+    overrides = {}
+    if _has_field(module, "dtype"):
+        overrides["dtype"] = policy.compute_dtype
+    if _has_field(module, "param_dtype") and policy.param_dtype is not None:
+        overrides["param_dtype"] = policy.param_dtype
+    return overrides
+
+
+class ModulePolicy:
+    """Per-module policies for ``flax.linen``; a reusable, re-entrant context manager.
+
+    Build it with `module_policy`. Inside ``with``, every linen module method call
+    (``setup``, ``__call__`` and other methods, at ``init`` and ``apply``) on a
+    module matched by a rule runs under that rule's policy:
+
+    * the module's ``dtype`` field is the policy's compute dtype and its
+      ``param_dtype`` field the param dtype (modules without these fields, such
+      as your own containers, keep their code's dtypes);
+    * floating arguments are cast to the compute dtype and floating results to
+      the output dtype (as ``policy.wrap`` does).
+
+    Rules are tried in order and the first match wins: a module class matches its
+    instances (subclasses included); a string is a regex ``re.search``-ed against
+    the module path (``"Block_0/LayerNorm_0"``; auto-generated names contain the
+    class name, and a path rule also matches the modules below the one it names).
+    Unmatched layers (modules with a ``dtype`` field) use ``default`` if given;
+    every other module runs exactly as constructed.
+
+    Interception goes through ``flax.linen.intercept_methods``, whose interceptor
+    stack is thread-local: a ``with`` block affects only its own thread.
+    Parameters that already exist are not converted; ``param_dtype`` matters when
+    they are created (``init``).
+    """
+
+    def __init__(self, rules: Rules, default: PolicyLike = None):
+        self._rules = _compile_rules(rules)
+        self._default = None if default is None else as_policy(default)
+        self._active = threading.local()
+
+    @property
+    def rules(self) -> Tuple[Tuple[RuleKey, Policy], ...]:
+        return tuple((key, policy) for key, _, policy in self._rules)
+
+    @property
+    def default(self) -> Optional[Policy]:
+        return self._default
+
+    def __repr__(self) -> str:
+        rules = ", ".join(f"{getattr(k, '__name__', k)!r}: {str(p)!r}" for k, p in self.rules)
+        default = None if self._default is None else str(self._default)
+        return f"ModulePolicy({{{rules}}}, default={default!r})"
+
+    def policy_for(self, module: nn.Module) -> Optional[Policy]:
+        """The policy for a bound linen module, or ``None`` if it runs as constructed."""
+        path = _path_str(module.path) if module.scope is not None else ""
+        return _match(self._rules, self._default, module, path)
+
+    def _intercept(self, next_fun: Callable[..., Any], args: tuple, kwargs: dict,
+                   context: Any) -> Any:
+        module = context.module
+        policy = self.policy_for(module)
+        if policy is None:
+            return next_fun(*args, **kwargs)
+        overrides = _dtype_overrides(module, policy)
+        saved = {name: getattr(module, name) for name in overrides}
+        # Linen modules are frozen dataclasses; the bound instance seen here is a
+        # private clone made by this init/apply call, so overriding its fields for
+        # the duration of the call cannot leak into the user's module or another
+        # thread. Nested calls on the same module save and restore in stack order.
+        for name, value in overrides.items():
+            object.__setattr__(module, name, value)
+        try:
+            if context.method_name == "setup":
+                return next_fun(*args, **kwargs)
+            return policy.wrap(next_fun)(*args, **kwargs)
+        finally:
+            for name, value in saved.items():
+                object.__setattr__(module, name, value)
+
+    def __enter__(self) -> "ModulePolicy":
+        stack = getattr(self._active, "stack", None)
+        if stack is None:
+            stack = self._active.stack = []
+        ctx = nn.intercept_methods(self._intercept)
+        ctx.__enter__()
+        stack.append(ctx)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._active.stack.pop().__exit__(*exc)
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Use as a decorator: ``fn`` runs inside this context."""
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return fn(*args, **kwargs)
+
+        return wrapped
+
+
+def module_policy(rules: Rules, default: PolicyLike = None) -> ModulePolicy:
+    """Per-module policies for linen, as a context manager (or decorator) around ``init``/``apply``.
+
+    ``rules``: a mapping or sequence of ``(key, policy)``; a key is a
+    ``flax.linen.Module`` subclass or a regex over module paths; a policy is a
+    `Policy` or a name. ``default``: policy for unmatched layers, i.e. modules
+    with a ``dtype`` field (``None``: leave them as constructed). See `ModulePolicy`.
+
+    Keep LayerNorm and the logits in float32 while the rest runs in bfloat16:
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> class LM(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         x = nn.LayerNorm()(nn.Dense(16)(x))
+    ...         return nn.Dense(5, name="logits")(x)
+    >>> policies = module_policy({nn.LayerNorm: "float32", "logits": "float32"},
+    ...                          default="mixed_bfloat16")
+    >>> with policies:
+    ...     params = LM().init(jax.random.key(0), jnp.ones((1, 3)))
+    ...     logits = LM().apply(params, jnp.ones((1, 3)))
+    >>> logits.dtype, params["params"]["Dense_0"]["kernel"].dtype
+    (dtype('float32'), dtype('float32'))
+    """
+    return ModulePolicy(rules, default)
+
+
+# ---------------------------------------------------------------------------
+# NNX.
+# ---------------------------------------------------------------------------
+def set_nnx_policy(model: nnx.Module, policy: PolicyLike = None, rules: Rules = ()) -> nnx.Module:
+    """Sets the policy of every submodule of an NNX model in place; returns the model.
+
+    NNX modules are mutable Python objects, so no interception is needed: each
+    submodule that has a ``dtype`` attribute gets the compute dtype, one with a
+    ``param_dtype`` attribute gets the param dtype and its own ``nnx.Param``
+    values are cast to it. ``rules`` (module class or path regex -> policy, first
+    match wins, as in `module_policy`) take precedence over ``policy``, which
+    applies to the rest (``None``: the global policy).
+
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(2, 4, rngs=nnx.Rngs(0)), nnx.LayerNorm(4, rngs=nnx.Rngs(0)))
+    >>> model = set_nnx_policy(model, "mixed_bfloat16", rules={nnx.LayerNorm: "float32"})
+    >>> model.layers[0].dtype, model.layers[1].dtype
+    (dtype(bfloat16), dtype('float32'))
+    """
+    compiled = _compile_rules(rules)
+    default = as_policy(policy)
+    for path, module in nnx.iter_modules(model):
+        chosen = _match(compiled, default, module, _path_str(path))
+        for name, value in _dtype_overrides(module, chosen).items():
+            setattr(module, name, value)
+            if name == "param_dtype":
+                for attr, var in list(vars(module).items()):
+                    if isinstance(var, nnx.Param) and jnp.issubdtype(var.dtype, jnp.floating):
+                        var.set_value(var.get_value().astype(value))
+    return model
+
+
+def optimizer_loss_scale(optimizer: nnx.Optimizer) -> Any:
+    """The current loss scale held in an ``nnx.Optimizer`` built on `jmp_policy.loss_scaling`.
+
+    ``nnx.Optimizer`` wraps every array of its optax state in a ``Variable``; this
+    unwraps them and finds the scale with `jmp_policy.get_loss_scale`.
+    """
+    return jmp_policy.get_loss_scale(nnx.as_pure(optimizer.opt_state))
+
+
+def optimizer_skipped_steps(optimizer: nnx.Optimizer) -> jax.Array:
+    """Total steps skipped for non-finite gradients, from an ``nnx.Optimizer``'s state."""
+    state = nnx.as_pure(optimizer.opt_state)
+    found = optax.tree_utils.tree_get_all_with_path(state, "skipped_steps")
+    if not found:
+        raise ValueError("No loss-scaling state in this optimizer: build it with "
+                         "nnx.Optimizer(model, jmp_policy.loss_scaling(tx, ...), wrt=nnx.Param).")
+    return found[0][1]
+
+
+def nnx_scaled_value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int = 0,
+    has_aux: bool = False,
+    wrt: Any = nnx.Param,
+) -> Callable[..., Any]:
+    """`jmp_policy.scaled_value_and_grad` for NNX: differentiates w.r.t. a module's ``wrt`` variables.
+
+    Returns ``g(loss_scale, *args, **kwargs) -> (value, grads)``: ``value`` is the
+    unscaled loss (``(loss, aux)`` with ``has_aux``), ``grads`` an ``nnx.State``
+    of the gradients of the *scaled* loss, ready for ``optimizer.update`` with a
+    `jmp_policy.loss_scaling` transformation. The loss is scaled in float32 (a
+    float16 loss times a large scale would overflow). Module state changes made
+    by ``fun`` (batch statistics, RNG counters) are kept, as with ``nnx.grad``.
+    """
+
+    def g(loss_scale: Any, *args: Any, **kwargs: Any) -> Tuple[Any, Any]:
+        def scaled(*a: Any, **k: Any) -> Tuple[jax.Array, Any]:
+            out = fun(*a, **k)
+            loss, aux = out if has_aux else (out, None)
+            if not (hasattr(loss, "shape") and np.shape(loss) == ()):
+                raise TypeError(f"The loss must be a scalar array, got {loss!r}.")
+            return loss_scale.scale(loss.astype(jnp.float32)), (loss, aux)
+
+        grad_fn = nnx.grad(scaled, argnums=nnx.DiffState(argnums, wrt), has_aux=True)
+        grads, (loss, aux) = grad_fn(*args, **kwargs)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return g
