@@ -538,7 +538,7 @@ tree = [jax.device_put(jnp.arange(64.0).reshape(8, 8) + i, s) for i, s in enumer
 policy = jmp_policy.Policy("mixed_bfloat16")
 eager = policy.cast_to_compute(tree)  # batched eager path
 jitted = jax.jit(policy.cast_to_compute)(tree)
-wrapped = jax.jit(policy.wrap(lambda t: [x * 2 for x in t]))(tree)
+wrapped = jax.jit(policy.with_output_dtype("bfloat16").wrap(lambda t: t))(tree)
 for x, e, j, w in zip(tree, eager, jitted, wrapped):
     assert e.dtype == j.dtype == w.dtype == jnp.bfloat16
     for y in (e, j, w):
