@@ -363,32 +363,48 @@ def _check_bool_scalar(pred: Any, what: str) -> jax.Array:
     return jnp.asarray(pred)
 
 
-def _nan_if_not_finite(x: jax.Array) -> jax.Array:
-    """A float32 scalar: 0 if every element of ``x`` is finite, NaN otherwise.
+def _largest_magnitude(x: jax.Array) -> jax.Array:
+    """``max(|x|)`` as a float32 scalar; NaN if ``x`` holds a NaN (XLA's max propagates NaN).
 
-    ``x * 0`` is 0 for finite values and NaN for inf/NaN, so the sum never
-    overflows and XLA fuses the multiply into the reduction: one read of ``x``,
-    no boolean mask.
+    A max, unlike a sum, cannot overflow on finite data, and it reads ``x``
+    once inside a single fused reduction: no boolean mask is materialised.
     """
-    return jnp.sum(x * jnp.zeros((), x.dtype)).astype(jnp.float32)
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-def _nonfinite_sum(leaves) -> jax.Array:
-    """0 if all floating leaves are finite, else NaN (a float32 scalar)."""
-    total = jnp.zeros((), jnp.float32)
+def _nonfinite_sum(leaves, multiplier: Any = None) -> jax.Array:
+    """0 if every floating leaf (times ``multiplier``) is finite, else NaN (a float32 scalar).
+
+    Each leaf costs one fused ``max(|x|)`` reduction (one read, no boolean
+    mask); the rest is scalar work. ``multiplier`` (e.g. ``1 / loss_scale``)
+    is applied to the largest magnitude per dtype instead of to every
+    element: rounding is monotonic, so ``max|x| * m`` cast to the leaf's dtype
+    overflows exactly when some ``x * m`` does, as `unscale` computes it.
+    """
+    largest_by_dtype: dict = {}
     for x in leaves:
         dtype = _leaf_dtype(x)
-        if dtype is not None and is_floating_dtype(dtype) and np.size(x):
-            total = total + _nan_if_not_finite(jnp.asarray(x))
-    return total
+        if dtype is None or not is_floating_dtype(dtype) or not np.size(x):
+            continue
+        largest_by_dtype.setdefault(np.dtype(dtype), []).append(_largest_magnitude(jnp.asarray(x)))
+    if not largest_by_dtype:
+        return jnp.zeros((), jnp.float32)
+    flags = []
+    for dtype, largest in largest_by_dtype.items():
+        largest = jnp.max(jnp.stack(largest))  # NaN-propagating
+        if multiplier is not None:
+            largest = (largest * multiplier).astype(dtype).astype(jnp.float32)
+        flags.append(largest * 0)  # 0 if finite, NaN if inf or NaN
+    return sum(flags[1:], flags[0])
 
 
 def all_finite(tree: Any) -> jax.Array:
     """A scalar bool array: True iff every floating leaf of ``tree`` is finite.
 
     Non-floating leaves are ignored; an empty tree (or ``None``) is finite.
-    Under jit this is one multiply-and-sum per leaf fused into a single pass
-    and a single ``isfinite`` test, not a boolean mask per leaf.
+    Under jit each leaf is read once by a fused max-of-magnitude reduction
+    (no boolean mask per leaf), and the per-leaf scalars share one
+    ``isfinite`` test.
 
     >>> import jax.numpy as jnp
     >>> import jmp_policy

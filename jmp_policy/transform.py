@@ -140,37 +140,43 @@ def loss_scaling(
                 f"transformation's init), got {type(state).__name__}."
             )
         scale = state.loss_scale
-        unscaled = scale.unscale(grads)
-        # Finiteness of the unscaled grads: XLA fuses the unscale into the
-        # reduction, so this reads each gradient once and writes one scalar.
-        nonfinite = _nonfinite_sum(jax.tree_util.tree_leaves(unscaled))
+        # Finiteness of the *unscaled* grads from one read of each scaled
+        # gradient (see `_nonfinite_sum`); nothing gradient-sized is written.
+        inverse = None if isinstance(scale, NoOpLossScale) else 1 / scale.loss_scale
+        nonfinite = _nonfinite_sum(jax.tree_util.tree_leaves(grads), inverse)
         if axis_name is not None:
             # NaN propagates through the sum: one scalar collective.
             nonfinite = jax.lax.psum(nonfinite, axis_name)
         grads_finite = jnp.isfinite(nonfinite)
 
-        def apply_inner(grads, inner_state, params, extra_args):
-            # Unscaling again here (rather than reusing `unscaled`) lets XLA fuse
-            # the multiply into the optimizer's first op instead of materialising it.
-            return inner.update(scale.unscale(grads), inner_state, params, **extra_args)
+        # The predicate's only consumer is the cond: the bookkeeping below
+        # happens inside the branches, where the predicate is a constant, so
+        # XLA does not copy the finiteness computation into several fusions.
+        def apply_inner(grads, state, params, extra_args):
+            # Unscaling here (not before the cond) lets XLA fuse the multiply
+            # into the optimizer's first elementwise op instead of writing it out.
+            updates, inner_state = inner.update(
+                scale.unscale(grads), state.inner_state, params, **extra_args
+            )
+            return updates, LossScalingState(
+                loss_scale=scale.adjust(jnp.asarray(True)),
+                inner_state=inner_state,
+                grads_finite=jnp.asarray(True),
+                skipped_steps=state.skipped_steps,
+            )
 
-        def keep(grads, inner_state, params, extra_args):
-            updates_shape, _ = jax.eval_shape(apply_inner, grads, inner_state, params, extra_args)
+        def skip(grads, state, params, extra_args):
+            updates_shape, _ = jax.eval_shape(apply_inner, grads, state, params, extra_args)
             zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), updates_shape)
-            return zeros, inner_state
+            skipped = state.skipped_steps
+            return zeros, LossScalingState(
+                loss_scale=scale.adjust(jnp.asarray(False)),
+                inner_state=state.inner_state,  # bit-for-bit unchanged
+                grads_finite=jnp.asarray(False),
+                skipped_steps=jnp.where(skipped < _INT32_MAX, skipped + 1, skipped),
+            )
 
-        updates, inner_state = jax.lax.cond(
-            grads_finite, apply_inner, keep, grads, state.inner_state, params, extra_args
-        )
-        skipped = state.skipped_steps
-        skipped = skipped + (~grads_finite & (skipped < _INT32_MAX)).astype(jnp.int32)
-        new_state = LossScalingState(
-            loss_scale=scale.adjust(grads_finite),
-            inner_state=inner_state,
-            grads_finite=grads_finite,
-            skipped_steps=skipped,
-        )
-        return updates, new_state
+        return jax.lax.cond(grads_finite, apply_inner, skip, grads, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
