@@ -199,7 +199,7 @@ class DynamicLossScale:
                     loss_scale = min(loss_scale * factor, max_loss_scale)
         else:
             counter = 0
-            loss_scale = max(loss_scale / factor, min_loss_scale, smallest normal float32)
+            loss_scale = max(loss_scale * (1 / factor), min_loss_scale, smallest normal float32)
 
     Leaves are exactly ``[loss_scale, counter]`` (float32 and int32 scalars);
     ``period``, ``factor``, ``min_loss_scale`` and ``max_loss_scale`` are static.
@@ -288,8 +288,10 @@ class DynamicLossScale:
         grown = jnp.where(jnp.isfinite(grown), grown, self.loss_scale)
         if self.max_loss_scale is not None:
             grown = jnp.minimum(grown, self.max_loss_scale)
+        # Multiplying by float32(1/factor) is PyTorch's ``backoff_factor`` rule,
+        # and what XLA turns a division by a constant into anyway.
         shrunk = jnp.maximum(
-            self.loss_scale / self.factor, max(self.min_loss_scale, _SMALLEST_SCALE)
+            self.loss_scale * np.float32(1 / self.factor), max(self.min_loss_scale, _SMALLEST_SCALE)
         )
         loss_scale = jnp.where(
             grads_finite, jnp.where(grow, grown, self.loss_scale), shrunk
