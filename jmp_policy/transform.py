@@ -219,11 +219,14 @@ def get_loss_scale(opt_state: Any) -> LossScale:
 def _scale_value(loss_scale: Any) -> jax.Array:
     """The float32 scalar to multiply the loss by."""
     value = getattr(loss_scale, "loss_scale", loss_scale)
-    if isinstance(value, bool) or getattr(value, "dtype", None) == np.bool_:
-        raise TypeError(f"loss_scale must be a number or a loss-scale object, got {loss_scale!r}.")
+    dtype = getattr(value, "dtype", None)
     try:
+        if isinstance(value, (bool, str)) or dtype == np.bool_ or (
+            dtype is not None and not jnp.issubdtype(dtype, jnp.number)
+        ):
+            raise TypeError
         value = jnp.asarray(value, dtype=jnp.float32)
-    except TypeError:
+    except (TypeError, ValueError):
         raise TypeError(
             "loss_scale must be a loss-scale object (e.g. jmp_policy.get_loss_scale(opt_state)) "
             f"or a number/scalar array, got {loss_scale!r} of type {type(loss_scale).__name__}."

@@ -1,0 +1,302 @@
+"""Tests for jmp_policy.transform: loss_scaling, get_loss_scale, scaled_value_and_grad."""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_policy
+from jmp_policy import DynamicLossScale, LossScalingState, NoOpLossScale, StaticLossScale
+
+
+def make_params():
+    return {
+        "dense": {"kernel": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3), "bias": jnp.zeros(3)},
+        "scale": jnp.ones(3, jnp.bfloat16),
+    }
+
+
+def grads_like(params, value):
+    return jax.tree_util.tree_map(lambda p: jnp.full(p.shape, value, p.dtype), params)
+
+
+def assert_trees_identical(a, b):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def assert_trees_close(a, b):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# update: finite steps, skipped steps, the loss-scale argument.
+
+
+def test_finite_step_runs_inner_on_unscaled_grads():
+    params = make_params()
+    inner = optax.adam(1e-2)
+    tx = jmp_policy.loss_scaling(inner, DynamicLossScale(2.0**12, period=1))
+    state = tx.init(params)
+    grads = jax.tree_util.tree_map(lambda p: (jnp.arange(p.size).reshape(p.shape) * 0.1).astype(p.dtype), params)
+    scaled = jax.tree_util.tree_map(lambda g: (g * 2.0**12).astype(g.dtype), grads)
+
+    updates, new_state = jax.jit(tx.update)(scaled, state, params)
+    expected, expected_inner = jax.jit(inner.update)(grads, inner.init(params), params)
+    # Same ops on the same (exactly unscaled: power-of-two scale) grads; only
+    # XLA's fusion choices may move the last bit.
+    assert_trees_close(updates, expected)
+    assert_trees_close(new_state.inner_state, expected_inner)
+    assert bool(new_state.grads_finite) and int(new_state.skipped_steps) == 0
+    assert float(new_state.loss_scale.loss_scale) == 2.0**13  # period=1: grows after one finite step
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_step_is_skipped_bit_for_bit(bad):
+    params = make_params()
+    tx = jmp_policy.loss_scaling(optax.adamw(1e-2), "dynamic")
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    _, state = step(grads_like(params, 0.5), state, params)  # a real step first: state is not zeros
+    grads = grads_like(params, 0.25)
+    grads["dense"]["kernel"] = grads["dense"]["kernel"].at[1, 2].set(bad)
+
+    updates, new_state = step(grads, state, params)
+    assert_trees_identical(updates, jax.tree_util.tree_map(jnp.zeros_like, updates))
+    assert jax.tree_util.tree_map(lambda u: u.dtype, updates) == jax.tree_util.tree_map(
+        lambda p: p.dtype, params)
+    assert_trees_identical(new_state.inner_state, state.inner_state)
+    assert not bool(new_state.grads_finite) and int(new_state.skipped_steps) == 1
+    assert float(new_state.loss_scale.loss_scale) == 2.0**14
+
+
+def test_finiteness_is_judged_on_unscaled_grads():
+    # Scale < 1: finite scaled grads whose unscaled value overflows must be skipped,
+    # in float32 and in float16 (where unscale rounds back to float16).
+    params = {"f32": jnp.zeros(2), "f16": jnp.zeros(2, jnp.float16)}
+    tx = jmp_policy.loss_scaling(optax.sgd(1.0), StaticLossScale(0.5))
+    state = tx.init(params)
+    ok = {"f32": jnp.array([1.0, 1e38]), "f16": jnp.array([1.0, 30000.0], jnp.float16)}
+    _, s = tx.update(ok, state)
+    assert bool(s.grads_finite)
+    for name, big in (("f32", 3e38), ("f16", 40000.0)):
+        grads = dict(ok, **{name: ok[name].at[1].set(big)})
+        assert bool(jmp_policy.all_finite(grads))  # finite before unscaling
+        _, s = tx.update(grads, state)
+        assert not bool(s.grads_finite), name
+
+
+def test_loss_scale_none_still_skips_non_finite_steps():
+    tx = jmp_policy.loss_scaling(optax.sgd(0.1), None)
+    state = tx.init({"w": jnp.ones(2)})
+    assert isinstance(jmp_policy.get_loss_scale(state), NoOpLossScale)
+    updates, state = tx.update({"w": jnp.array([1.0, 2.0])}, state)
+    np.testing.assert_allclose(updates["w"], [-0.1, -0.2])
+    updates, state = tx.update({"w": jnp.array([1.0, np.nan])}, state)
+    np.testing.assert_array_equal(updates["w"], [0.0, 0.0])
+    assert int(state.skipped_steps) == 1
+
+
+@pytest.mark.parametrize(
+    "arg, kind, value",
+    [
+        ("dynamic", DynamicLossScale, 2.0**15),
+        (128.0, StaticLossScale, 128.0),
+        (None, NoOpLossScale, 1.0),
+        (DynamicLossScale(64.0, period=3), DynamicLossScale, 64.0),
+        (jmp_policy.Policy("mixed_float16"), DynamicLossScale, None),
+        (jmp_policy.Policy("mixed_bfloat16"), NoOpLossScale, 1.0),
+        (jmp_policy.Policy("mixed_float16", loss_scale=None), NoOpLossScale, 1.0),
+    ],
+)
+def test_loss_scale_argument_forms(arg, kind, value):
+    state = jmp_policy.loss_scaling(optax.sgd(0.1), arg).init({"w": jnp.ones(2)})
+    scale = jmp_policy.get_loss_scale(state)
+    assert type(scale) is kind
+    if value is None:  # a policy's own default dynamic scale
+        value = float(arg.loss_scale.loss_scale)
+    assert float(scale.loss_scale) == value
+
+
+@pytest.mark.parametrize("arg, error", [("static", ValueError), (object(), TypeError), (True, TypeError)])
+def test_bad_loss_scale_argument(arg, error):
+    with pytest.raises(error, match="loss_scale"):
+        jmp_policy.loss_scaling(optax.sgd(0.1), arg)
+
+
+def test_skipped_steps_saturates_at_int32_max():
+    tx = jmp_policy.loss_scaling(optax.sgd(0.1), 1.0)
+    state = tx.init({"w": jnp.ones(2)})._replace(skipped_steps=jnp.int32(np.iinfo(np.int32).max))
+    _, state = jax.jit(tx.update)({"w": jnp.full(2, np.inf)}, state)
+    assert int(state.skipped_steps) == np.iinfo(np.int32).max
+    assert state.skipped_steps.dtype == jnp.int32
+
+
+def test_update_rejects_a_foreign_state():
+    tx = jmp_policy.loss_scaling(optax.sgd(0.1))
+    with pytest.raises(TypeError, match="LossScalingState"):
+        tx.update({"w": jnp.ones(2)}, optax.sgd(0.1).init({"w": jnp.ones(2)}))
+
+
+def test_extra_args_reach_an_inner_that_accepts_them():
+    def scale_by_value():
+        def update(updates, state, params=None, *, value):
+            return jax.tree_util.tree_map(lambda u: u * value, updates), state
+        return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+
+    tx = jmp_policy.loss_scaling(scale_by_value(), 4.0)
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    state = tx.init({"w": jnp.ones(2)})
+    updates, _ = jax.jit(tx.update)({"w": jnp.full(2, 4.0)}, state, None, value=jnp.float32(3.0))
+    np.testing.assert_array_equal(updates["w"], [3.0, 3.0])
+    # A plain GradientTransformation inner ignores extra arguments.
+    tx = jmp_policy.loss_scaling(optax.sgd(1.0), 4.0)
+    updates, _ = tx.update({"w": jnp.full(2, 4.0)}, tx.init({"w": jnp.ones(2)}), None, value=1.0)
+    np.testing.assert_array_equal(updates["w"], [-1.0, -1.0])
+
+
+def _all_primitives(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _all_primitives(sub)
+
+
+def test_update_jaxpr_has_one_cond_no_callbacks_and_no_boolean_masks():
+    params = make_params()
+    tx = jmp_policy.loss_scaling(optax.adam(1e-3), "dynamic")
+    state = tx.init(params)
+    closed = jax.make_jaxpr(tx.update)(grads_like(params, 1.0), state, params)
+    eqns = list(_all_primitives(closed.jaxpr))
+    names = {e.primitive.name for e in eqns}
+    assert not {n for n in names if "callback" in n or "feed" in n or n in ("device_put", "outside_call")}
+    assert [e.primitive.name for e in closed.jaxpr.eqns].count("cond") == 1
+    # Finiteness: a single scalar isfinite outside the branches, no per-element masks.
+    top_isfinite = [e for e in closed.jaxpr.eqns if e.primitive.name == "is_finite"]
+    assert len(top_isfinite) == 1 and top_isfinite[0].invars[0].aval.shape == ()
+    assert all(e.invars[0].aval.shape == () for e in eqns if e.primitive.name == "is_finite")
+
+
+# ---------------------------------------------------------------------------
+# get_loss_scale.
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda ls: ls,
+        lambda ls: optax.chain(optax.clip(1.0), ls),
+        lambda ls: optax.named_chain(("clip", optax.clip(1.0)), ("ls", ls)),
+        lambda ls: optax.MultiSteps(ls, every_k_schedule=2),
+        lambda ls: optax.chain(optax.MultiSteps(optax.chain(optax.identity(), ls), every_k_schedule=3)),
+    ],
+)
+def test_get_loss_scale_finds_the_state_anywhere(build):
+    tx = build(jmp_policy.loss_scaling(optax.sgd(0.1), DynamicLossScale(256.0)))
+    state = tx.init({"w": jnp.ones(2)})
+    assert float(jmp_policy.get_loss_scale(state).loss_scale) == 256.0
+    assert float(jax.jit(lambda s: jmp_policy.get_loss_scale(s).loss_scale)(state)) == 256.0
+
+
+def test_get_loss_scale_inside_inject_hyperparams():
+    tx = optax.inject_hyperparams(
+        lambda learning_rate: jmp_policy.loss_scaling(optax.sgd(learning_rate), 512.0))(learning_rate=0.1)
+    state = tx.init({"w": jnp.ones(2)})
+    assert float(jmp_policy.get_loss_scale(state).loss_scale) == 512.0
+    _, state = tx.update({"w": jnp.ones(2)}, state)
+    assert float(jmp_policy.get_loss_scale(state).loss_scale) == 512.0
+
+
+def test_get_loss_scale_errors():
+    with pytest.raises(ValueError, match="no LossScalingState"):
+        jmp_policy.get_loss_scale(optax.adam(1e-3).init({"w": jnp.ones(2)}))
+    two = optax.chain(jmp_policy.loss_scaling(optax.sgd(0.1)), jmp_policy.loss_scaling(optax.sgd(0.1)))
+    with pytest.raises(ValueError, match="ambiguous"):
+        jmp_policy.get_loss_scale(two.init({"w": jnp.ones(2)}))
+    nested = jmp_policy.loss_scaling(jmp_policy.loss_scaling(optax.sgd(0.1)))
+    with pytest.raises(ValueError, match="ambiguous"):
+        jmp_policy.get_loss_scale(nested.init({"w": jnp.ones(2)}))
+
+
+# ---------------------------------------------------------------------------
+# scaled_value_and_grad.
+
+
+def test_scaled_value_and_grad_scales_grads_not_value():
+    def loss_fn(w, x, *, shift):
+        return jnp.sum((w * x - shift) ** 2)
+
+    w, x = jnp.array([1.0, -2.0, 0.5]), jnp.array([0.3, 0.2, 0.1])
+    value, grads = jmp_policy.scaled_value_and_grad(loss_fn)(DynamicLossScale(1024.0), w, x, shift=1.0)
+    ref_value, ref_grads = jax.value_and_grad(loss_fn)(w, x, shift=1.0)
+    assert float(value) == float(ref_value)
+    np.testing.assert_array_equal(grads, ref_grads * 1024.0)
+    # A plain number, argnums and has_aux.
+    (value, aux), (gw, gx) = jmp_policy.scaled_value_and_grad(
+        lambda w, x: (loss_fn(w, x, shift=0.0), {"n": 3}), argnums=(0, 1), has_aux=True)(8.0, w, x)
+    assert aux == {"n": 3}
+    np.testing.assert_array_equal(gw, jax.grad(loss_fn)(w, x, shift=0.0) * 8.0)
+    np.testing.assert_array_equal(gx, jax.grad(loss_fn, argnums=1)(w, x, shift=0.0) * 8.0)
+
+
+def test_float16_loss_is_promoted_before_scaling():
+    # float16(3000) * 2**15 overflows float16; promoted to float32 it does not.
+    def loss_fn(w):
+        return jnp.sum(w.astype(jnp.float16)) * jnp.float16(1000.0)
+
+    w = jnp.ones(3)
+    value, grads = jax.jit(jmp_policy.scaled_value_and_grad(loss_fn))(DynamicLossScale(2.0**15), w)
+    assert value.dtype == jnp.float16 and float(value) == 3000.0
+    assert grads.dtype == jnp.float32  # grads w.r.t. float32 params stay float32
+    # The scaled cotangent reaching float16 (1000 * 2**15) overflows float16: that
+    # is a genuine overflow for the dynamic scale to detect, not a NaN loss.
+    assert not bool(jmp_policy.all_finite(grads))
+    value, grads = jmp_policy.scaled_value_and_grad(loss_fn)(32.0, w)
+    np.testing.assert_array_equal(grads, np.full(3, 32000.0, np.float32))
+
+
+def test_scaled_value_and_grad_errors():
+    g = jmp_policy.scaled_value_and_grad(lambda w: w * 2)
+    with pytest.raises(TypeError, match="scalar loss"):
+        g(2.0, jnp.ones(3))
+    with pytest.raises(TypeError, match="loss_scale"):
+        jmp_policy.scaled_value_and_grad(jnp.sum)("big", jnp.ones(3))
+    with pytest.raises(TypeError, match=r"\(loss, aux\)"):
+        jmp_policy.scaled_value_and_grad(jnp.sum, has_aux=True)(2.0, jnp.ones(3))
+
+
+def test_spec_train_step_trains_in_float16():
+    """The complete jitted train step from SPEC section 3, with float16 compute."""
+    policy = jmp_policy.Policy("mixed_float16")
+    tx = jmp_policy.loss_scaling(optax.adamw(1e-2), policy)
+    params = {"w": jnp.full((8, 4), 0.1), "b": jnp.zeros(4)}
+    opt_state = tx.init(params)
+    batch = {"x": jnp.linspace(-1, 1, 32).reshape(4, 8), "y": jnp.array([0, 1, 2, 3])}
+
+    def apply(p, x):
+        return x @ p["w"] + p["b"]
+
+    @jax.jit
+    def train_step(params, opt_state, batch):
+        def loss_fn(p):
+            logits = policy.wrap(apply)(p, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        scale = jmp_policy.get_loss_scale(opt_state)
+        loss, grads = jmp_policy.scaled_value_and_grad(loss_fn)(scale, params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for _ in range(20):
+        params, opt_state, loss = train_step(params, opt_state, batch)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
+    assert bool(jmp_policy.all_finite((params, opt_state)))
