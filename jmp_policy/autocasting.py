@@ -18,8 +18,8 @@ precision from three classes:
 A float32 value, once produced, stays float32 for the operations that follow;
 it is narrowed only where it feeds matrix work or becomes a floating output
 of ``fn`` (cast to the policy's output dtype). Integer, boolean and PRNG
-values are never touched. Explicit casts written in ``fn``
-(``x.astype(jnp.bfloat16)``) are honoured.
+values are never touched. Floating casts inside ``fn`` are kept only where they
+widen (see `_convert` for why).
 
 Higher-order primitives are rewritten, not inlined, so they keep their own
 semantics: a nested ``jit`` keeps its shardings and name, ``custom_jvp`` /
@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import itertools
+import threading
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, jaxpr_as_fun
 
@@ -234,7 +235,8 @@ def _primitive_name(prim: Any) -> str:
 def _dtype(x: Any) -> Optional[np.dtype]:
     dtype = getattr(x, "dtype", None)
     if dtype is None:
-        dtype = np.result_type(x) if isinstance(x, (int, float, complex, bool)) else None
+        # Python scalars are weakly typed: JAX sees 2.0 as float32, not numpy's float64.
+        dtype = jnp.result_type(x) if isinstance(x, (int, float, complex, bool)) else None
     return None if dtype is None else np.dtype(dtype) if not _is_extended(dtype) else dtype
 
 
@@ -267,12 +269,30 @@ def _join(a: np.dtype, b: np.dtype) -> np.dtype:
         return _F32 if max(a.itemsize, b.itemsize) <= 4 else np.dtype(np.float64)
 
 
+# Casts already emitted in the jaxpr being evaluated, keyed by (id(value), dtype), so a
+# value feeding several matmuls is converted once (the entry keeps the value alive).
+class _Memo(threading.local):
+    stack: list
+
+    def __init__(self):
+        self.stack = [{}]
+
+
+_cast_memo = _Memo()
+
+
 def _cast(x: Any, dtype: np.dtype) -> Any:
     if _dtype(x) == dtype:
         return x
     if isinstance(x, (np.ndarray, np.generic)):
         return np.asarray(x, dtype)  # a literal stays a literal
-    return lax.convert_element_type(x, dtype)
+    memo = _cast_memo.stack[-1]
+    hit = memo.get((id(x), dtype))
+    if hit is not None and hit[0] is x:
+        return hit[1]
+    y = lax.convert_element_type(x, dtype)
+    memo[(id(x), dtype)] = (x, y)
+    return y
 
 
 def _float_dtypes(values: Sequence[Any], weak: Sequence[bool]) -> list:
@@ -303,6 +323,16 @@ def _eval_jaxpr(ctx: _Context, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequen
 
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
+    _cast_memo.stack.append({})
+    try:
+        _eval_eqns(ctx, jaxpr, env, read, prefix, pinned)
+        return [read(v) for v in jaxpr.outvars]
+    finally:
+        _cast_memo.stack.pop()
+
+
+def _eval_eqns(ctx: _Context, jaxpr: Jaxpr, env: dict, read: Callable, prefix: str,
+               pinned: bool) -> None:
     for eqn in jaxpr.eqns:
         stack = _join_stack(prefix, eqn.source_info.name_stack)
         pin = pinned or ctx.rules.pinned(stack)
@@ -317,7 +347,6 @@ def _eval_jaxpr(ctx: _Context, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequen
             outs = [outs]
         for v, out in zip(eqn.outvars, outs):
             env[v] = out
-    return [read(v) for v in jaxpr.outvars]
 
 
 def _eval_eqn(ctx: _Context, eqn: Any, invals: list, stack: str, pin: bool) -> Any:
@@ -327,8 +356,8 @@ def _eval_eqn(ctx: _Context, eqn: Any, invals: list, stack: str, pin: bool) -> A
         return handler(ctx, eqn, invals, stack, pin)
     if not any(_floating(x) for x in invals):
         return _bind(eqn, invals)
-    if name == "convert_element_type":  # an explicit cast in fn: honoured
-        return _bind(eqn, invals)
+    if name == "convert_element_type":
+        return _convert(eqn, invals[0])
     if eqn.params.get("out_dtype") is not None or name in _TRACED_DTYPES:
         return _bind(eqn, _at_traced_dtypes(eqn, invals))
     cls = "float32" if pin else ctx.rules.classes.get(name)
@@ -346,11 +375,10 @@ def _eval_eqn(ctx: _Context, eqn: Any, invals: list, stack: str, pin: bool) -> A
     weak = [getattr(v.aval, "weak_type", False) for v in eqn.invars]
     params = dict(eqn.params)
     if cls == "matmul" and not pin:
-        target = ctx.compute
-        if "preferred_element_type" in params:
-            params["preferred_element_type"] = _join(ctx.compute, _F32)
-        invals = [_cast(x, target) if _floating(x) else x for x in invals]
-        return _bind(eqn, invals, params)
+        invals = [_cast(x, ctx.compute) if _floating(x) else x for x in invals]
+        if "preferred_element_type" not in params or len(invals) != 2:
+            return _bind(eqn, invals, params)
+        return _matmul(eqn, ctx.compute, params, *invals)
     if name in _INDEPENDENT:
         if cls == "float32":
             invals = [_cast(x, _join(_dtype(x), _F32)) if _floating(x) else x for x in invals]
@@ -362,6 +390,55 @@ def _eval_eqn(ctx: _Context, eqn: Any, invals: list, stack: str, pin: bool) -> A
             params["preferred_element_type"] = target
     invals = [_cast(x, target) if _floating(x) else x for x in invals]
     return _bind(eqn, invals, params)
+
+
+def _convert(eqn: Any, x: Any) -> Any:
+    """A float->float cast in fn only ever widens.
+
+    The traced jaxpr cannot tell a user's ``x.astype(jnp.float16)`` from the casts JAX
+    itself inserts when fn is traced with half-precision inputs (``jnp.mean`` and
+    ``logsumexp`` compute in float32 and cast back). Applying those would narrow
+    float32 results mid-function, so narrowing happens only where autocast decides:
+    at matrix work and at fn's outputs.
+    """
+    new = np.dtype(eqn.params["new_dtype"]) if not _is_extended(eqn.params["new_dtype"]) else None
+    if new is None or not is_floating_dtype(new) or not _floating(x):
+        return _bind(eqn, [x])
+    return _cast(x, new) if _represents(new, _dtype(x)) else x
+
+
+def _matmul(eqn: Any, compute: np.dtype, params: dict, lhs: Any, rhs: Any) -> Any:
+    """Matrix work in ``compute`` dtype with float32 results, in both directions.
+
+    The forward product accumulates in float32 (``preferred_element_type``). Left to
+    itself, JAX would differentiate that into backward products between a float32
+    cotangent and a half-precision operand, i.e. float32 matrix work. The JVP below
+    keeps tangents in the compute dtype, so the transposed products of the backward
+    pass run in half precision too, as in a hand-written mixed-precision model.
+    """
+    acc = _join(compute, _F32)
+    fwd_params = dict(params, preferred_element_type=acc)
+    tan_params = dict(params, preferred_element_type=compute)
+
+    def product(a, b):
+        return _bind(eqn, (a, b), fwd_params)
+
+    product.__name__ = eqn.primitive.name
+    product = jax.custom_jvp(product)
+
+    def product_jvp(primals, tangents):
+        a, b = primals
+        ta, tb = tangents
+        terms = []
+        if not isinstance(ta, SymbolicZero):
+            terms.append(_bind(eqn, (_cast(ta, compute), b), tan_params))
+        if not isinstance(tb, SymbolicZero):
+            terms.append(_bind(eqn, (a, _cast(tb, compute)), tan_params))
+        tangent = functools.reduce(lax.add, terms)
+        return product(a, b), _cast(tangent, acc)
+
+    product.defjvp(product_jvp, symbolic_zeros=True)
+    return product(lhs, rhs)
 
 
 def _bind(eqn: Any, invals: Sequence[Any], params: Optional[dict] = None) -> Any:

@@ -1,0 +1,589 @@
+"""Tests for jmp_policy.autocast: per-primitive dtypes in the resulting jaxpr, values
+against float32, higher-order primitives, composition with transformations, rules,
+a transformer block and a 300-step training comparison."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive
+from jax.interpreters import mlir
+
+import jmp_policy
+from jmp_policy import autocast
+from jmp_policy.autocasting import AutocastWarning
+
+F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
+
+
+# --- jaxpr inspection -----------------------------------------------------------
+
+def _sub_jaxprs(params):
+    for value in params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, Jaxpr):
+                yield v
+
+
+def eqns(jaxpr):
+    """Every equation of ``jaxpr``, nested ones included."""
+    if isinstance(jaxpr, ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _sub_jaxprs(eqn.params):
+            yield from eqns(sub)
+
+
+def find(fn, *args, name):
+    found = [e for e in eqns(jax.make_jaxpr(fn)(*args)) if e.primitive.name == name]
+    assert found, f"no {name} in the jaxpr"
+    return found
+
+
+def in_dtypes(eqn):
+    return [np.dtype(v.aval.dtype) for v in eqn.invars]
+
+
+def out_dtype(eqn):
+    return np.dtype(eqn.outvars[0].aval.dtype)
+
+
+def rng(*shape, dtype=jnp.float32, seed=0, scale=1.0):
+    return (jax.random.normal(jax.random.key(seed), shape) * scale).astype(dtype)
+
+
+def close(a, b, rtol=1e-2, atol=1e-2):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol,
+                               atol=atol)
+
+
+# --- matrix work ------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy,half,tol", [("mixed_float16", F16, 1e-2),
+                                             ("mixed_bfloat16", BF16, 5e-2)])
+def test_dot_general_runs_in_compute_dtype_with_float32_result(policy, half, tol):
+    x, w = rng(8, 16), rng(16, 4, seed=1)
+    f = autocast(lambda x, w: jnp.tanh(x @ w), policy)
+    (dot,) = find(f, x, w, name="dot_general")
+    assert in_dtypes(dot) == [half, half]
+    assert dot.params["preferred_element_type"] == F32 and out_dtype(dot) == F32
+    (tanh,) = find(f, x, w, name="tanh")
+    assert in_dtypes(tanh) == [F32]  # the float32 product is not narrowed for tanh
+    out = f(x, w)
+    assert out.dtype == half
+    close(out, jnp.tanh(x @ w), rtol=tol, atol=tol)
+
+
+def test_conv_runs_in_compute_dtype_with_float32_result():
+    x, k = rng(2, 3, 9, 9), rng(4, 3, 3, 3, seed=1)
+    conv = lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "SAME")
+    f = autocast(conv, "mixed_float16")
+    (eqn,) = find(f, x, k, name="conv_general_dilated")
+    assert in_dtypes(eqn) == [F16, F16] and out_dtype(eqn) == F32
+    close(f(x, k), conv(x, k), rtol=2e-2, atol=2e-2)
+
+
+def test_backward_matrix_work_also_runs_in_half_precision():
+    x, w = rng(8, 16), rng(16, 4, seed=1)
+    loss = lambda w, x: jnp.sum(jnp.sin(x @ w))
+    grad = jax.grad(autocast(loss, "mixed_float16"))
+    dots = find(grad, w, x, name="dot_general")
+    assert len(dots) == 2  # forward product, and the transposed product for dw
+    assert all(in_dtypes(d) == [F16, F16] for d in dots)
+    g = grad(w, x)
+    assert g.dtype == F32  # gradients w.r.t. float32 inputs are float32
+    close(g, jax.grad(loss)(w, x), rtol=2e-2, atol=2e-2)
+
+
+def test_value_feeding_two_matmuls_is_cast_once():
+    x = rng(8, 8)
+    f = autocast(lambda x: x @ x, "mixed_float16")
+    converts = find(f, x, name="convert_element_type")
+    assert [out_dtype(c) for c in converts].count(F16) == 2  # x once, the output once
+
+
+# --- float32 primitives -------------------------------------------------------------
+
+POSITIVE = lambda *s: jnp.abs(rng(*s)) + 0.5
+SENSITIVE = {
+    "exp": (jnp.exp, rng),
+    "log": (jnp.log, POSITIVE),
+    "log1p": (jnp.log1p, POSITIVE),
+    "expm1": (jnp.expm1, rng),
+    "pow": (lambda x: lax.pow(x, x), POSITIVE),
+    "logistic": (jax.nn.sigmoid, rng),
+    "erf": (lax.erf, rng),
+    "erf_inv": (lambda x: lax.erf_inv(jnp.tanh(x) * 0.9), rng),
+    "rsqrt": (lax.rsqrt, POSITIVE),
+    "sqrt": (jnp.sqrt, POSITIVE),
+    "reduce_sum": (lambda x: jnp.sum(x, axis=-1), rng),
+    "reduce_prod": (lambda x: jnp.prod(x, axis=-1), POSITIVE),
+    "cumsum": (lambda x: jnp.cumsum(x, axis=-1), rng),
+    "cumlogsumexp": (lambda x: lax.cumlogsumexp(x, axis=1), rng),
+    "reduce_max": (lambda x: jnp.max(x, axis=-1), rng),
+    "div": (lambda x: x / (jnp.abs(x) + 1.0), rng),
+}
+
+
+@pytest.mark.parametrize("prim", sorted(SENSITIVE))
+def test_sensitive_primitive_runs_in_float32(prim):
+    fn, make = SENSITIVE[prim]
+    x = make(4, 6).astype(jnp.float16)
+    f = autocast(fn, "float16")  # compute and output float16: float32 only by the rules
+    for eqn in find(f, x, name=prim):
+        assert all(d == F32 for d in in_dtypes(eqn) if jnp.issubdtype(d, jnp.floating))
+        assert out_dtype(eqn) == F32
+    out = f(x)
+    assert out.dtype == F16
+    close(out, fn(x.astype(jnp.float32)), rtol=5e-3, atol=5e-3)
+
+
+def test_float32_result_stays_float32_until_matrix_work_or_output():
+    x, w = rng(4, 8).astype(jnp.float16), rng(8, 8, seed=1).astype(jnp.float16)
+
+    def fn(x, w):
+        e = jnp.exp(x)          # float32
+        t = jnp.tanh(e) * 3.0   # follows: float32
+        return t @ w            # narrowed to float16 for the product only
+
+    f = autocast(fn, "float16")
+    (tanh,) = find(f, x, w, name="tanh")
+    assert in_dtypes(tanh) == [F32]
+    (mul,) = find(f, x, w, name="mul")
+    assert out_dtype(mul) == F32
+    (dot,) = find(f, x, w, name="dot_general")
+    assert in_dtypes(dot) == [F16, F16]
+    assert f(x, w).dtype == F16
+    close(f(x, w), fn(x.astype(jnp.float32), w.astype(jnp.float32)), rtol=2e-2, atol=5e-2)
+
+
+def test_softmax_logsumexp_layernorm_cross_entropy_are_float32():
+    x = rng(4, 10).astype(jnp.float16)
+    labels = jnp.arange(4)
+
+    def fn(x):
+        sm = jax.nn.softmax(x)
+        lse = jax.nn.logsumexp(x, axis=-1)
+        mu = x.mean(-1, keepdims=True)
+        ln = (x - mu) * lax.rsqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+        ce = optax.softmax_cross_entropy_with_integer_labels(x, labels)
+        return sm, lse, ln, ce
+
+    f = autocast(fn, "float16")
+    for eqn in eqns(jax.make_jaxpr(f)(x)):
+        if eqn.primitive.name in ("exp", "log", "sub", "div", "reduce_sum", "rsqrt"):
+            assert all(d == F32 for d in in_dtypes(eqn)), eqn
+    for got, want in zip(f(x), fn(x.astype(jnp.float32))):
+        assert got.dtype == F16
+        close(got, want, rtol=5e-3, atol=5e-3)
+
+
+# --- follow primitives ---------------------------------------------------------------
+
+def test_follow_primitives_take_the_widest_input():
+    h, b, s = jnp.ones(3, jnp.float16), jnp.ones(3, jnp.bfloat16), jnp.ones(3, jnp.float32)
+    f = autocast(lambda h, b, s: (jnp.sin(h) * 2.0, h + s, h - b), "float16",
+                 rules=None)
+    jaxpr = jax.make_jaxpr(f)(h, b, s)
+    by_name = {e.primitive.name: e for e in eqns(jaxpr)}
+    assert out_dtype(by_name["sin"]) == F16
+    assert out_dtype(by_name["mul"]) == F16   # a Python scalar does not widen
+    assert out_dtype(by_name["add"]) == F32   # float16 + float32
+    assert out_dtype(by_name["sub"]) == F32   # float16 - bfloat16: neither holds the other
+
+
+def test_ints_bools_and_prng_keys_are_untouched():
+    def fn(key, n, mask, x):
+        noise = jax.random.normal(key, x.shape)
+        return n * 2, mask & (x > 0), jax.random.split(key), x + noise
+
+    f = autocast(fn, "mixed_float16")
+    key = jax.random.key(0)
+    n2, m, keys, y = f(key, jnp.arange(3), jnp.array([True, False, True]), jnp.ones(3))
+    assert n2.dtype == jnp.int32 and m.dtype == jnp.bool_
+    assert jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key)
+    assert y.dtype == F16
+    close(y, fn(key, jnp.arange(3), jnp.array([True, False, True]), jnp.ones(3))[3])
+
+
+def test_narrowing_includes_float16_to_bfloat16():
+    x = rng(4, 4).astype(jnp.float16)
+    f = autocast(lambda x: (x @ x, jnp.sin(x)), "mixed_bfloat16")
+    (dot,) = find(f, x, name="dot_general")
+    assert in_dtypes(dot) == [BF16, BF16]
+    assert [o.dtype for o in f(x)] == [BF16, BF16]
+
+
+def test_casts_inside_fn_only_widen():
+    # jnp.mean traced with float16 input computes in float32 and casts back to float16;
+    # under autocast that float32 result must stay float32 (and so must a user's cast).
+    f = autocast(lambda x: jnp.sin(jnp.mean(x, -1)) + jnp.sin(x.astype(jnp.bfloat16)).sum(),
+                 "float16")
+    x = rng(4, 8).astype(jnp.float16)
+    sins = find(f, x, name="sin")
+    assert [in_dtypes(e) for e in sins] == [[F32], [F16]]
+    widen = autocast(lambda x: jnp.sin(x.astype(jnp.float32)), "float32")
+    (sin,) = find(widen, x, name="sin")
+    assert in_dtypes(sin) == [F32]
+
+
+# --- rules -----------------------------------------------------------------------------
+
+def test_rules_move_primitives_between_classes():
+    x = jnp.ones((4, 4), jnp.float16)
+    f = autocast(lambda x: jnp.tanh(jnp.exp(x)), "float16",
+                 rules={"follow": ["exp"], "float32": ["tanh"]})
+    (exp,) = find(f, x, name="exp")
+    (tanh,) = find(f, x, name="tanh")
+    assert out_dtype(exp) == F16 and out_dtype(tanh) == F32
+    g = autocast(lambda x: x @ x, "mixed_float16", rules={"follow": [lax.dot_general_p]})
+    (dot,) = find(g, x.astype(jnp.float32), name="dot_general")
+    assert in_dtypes(dot) == [F32, F32]
+
+
+def test_float32_scopes_pin_a_call_site():
+    x = rng(4, 4)
+
+    def fn(x):
+        with jax.named_scope("block"):
+            with jax.named_scope("attention"):
+                a = x @ x
+            b = x @ x.T
+        return a, b
+
+    f = autocast(fn, "mixed_float16", rules={"float32_scopes": ["block/attention"]})
+    dots = find(f, x, name="dot_general")
+    assert sorted(str(in_dtypes(d)[0]) for d in dots) == ["float16", "float32"]
+    pinned = [d for d in dots if in_dtypes(d) == [F32, F32]]
+    assert "attention" in str(pinned[0].source_info.name_stack)
+
+
+@pytest.mark.parametrize("rules,error", [
+    ({"float23": ["exp"]}, ValueError),
+    ({"float32": ["exq"]}, ValueError),
+    ({"float32": ["exp"], "follow": ["exp"]}, ValueError),
+    ({"float32": ["scan"]}, ValueError),
+    ({"float32_scopes": ["a//b"]}, ValueError),
+    ({"float32": [3]}, TypeError),
+    (["exp"], TypeError),
+])
+def test_bad_rules_raise(rules, error):
+    with pytest.raises(error):
+        autocast(jnp.exp, "mixed_float16", rules=rules)
+
+
+def test_policy_is_resolved_at_construction_and_validated():
+    with jmp_policy.policy_scope("mixed_bfloat16"):
+        f = autocast(lambda x: x @ x)
+    assert f(jnp.ones((2, 2))).dtype == BF16
+    with pytest.raises(ValueError):
+        autocast(jnp.exp, "mixed_float17")
+    with pytest.raises(TypeError):
+        autocast(3, "mixed_float16")
+
+
+# --- unknown primitives -------------------------------------------------------------------
+
+def test_unknown_primitive_runs_at_traced_dtypes_and_warns_once_per_trace():
+    twice = Primitive("autocast_test_twice")
+    twice.def_impl(lambda x: x * 2)
+    twice.def_abstract_eval(lambda x: x)
+    mlir.register_lowering(twice, mlir.lower_fun(lambda x: x * 2, multiple_results=False))
+
+    def fn(x):
+        return twice.bind(twice.bind(jnp.exp(x)))  # the float32 exp result feeds it
+
+    x = jnp.ones(3, jnp.float16)
+    f = autocast(fn, "float16")
+    with pytest.warns(AutocastWarning, match="autocast_test_twice") as record:
+        out = jax.jit(f)(x)
+    assert len([r for r in record if "autocast_test_twice" in str(r.message)]) == 1
+    (eqn, _) = find(f, x, name="autocast_test_twice")
+    assert in_dtypes(eqn) == [F16]  # its traced dtype
+    close(out, 4 * np.e)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        autocast(fn, "float16", rules={"follow": [twice]})(x)  # classified: silent
+
+
+# --- higher-order primitives -------------------------------------------------------------
+
+def test_custom_jvp_keeps_its_rule_relu_grad_at_zero():
+    f = autocast(jax.nn.relu, "mixed_float16")
+    g = jax.grad(lambda x: f(x).astype(jnp.float32))(jnp.float32(0.0))
+    assert g == 0.0 and g.dtype == F32
+    assert find(f, jnp.float32(0.0), name="custom_jvp_call")
+
+
+def test_custom_vjp_uses_the_users_backward_rule():
+    @jax.custom_vjp
+    def clip_gradient(x):
+        return x
+
+    clip_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.1, 0.1),))
+    loss = lambda w, x: jnp.sum(clip_gradient(x @ w) ** 2)
+    w, x = rng(4, 4), rng(3, 4, seed=1)
+    g = jax.grad(autocast(loss, "mixed_float16"))(w, x)
+    assert g.dtype == F32
+    close(g, jax.grad(loss)(w, x), rtol=2e-2, atol=2e-2)
+    assert not np.allclose(jax.grad(lambda w, x: jnp.sum((x @ w) ** 2))(w, x), g, atol=1e-2)
+
+
+def test_nested_jit_keeps_its_name_and_out_shardings():
+    script = textwrap.dedent("""
+        import jax, jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jmp_policy import autocast
+        mesh = jax.make_mesh((4,), ("d",))
+        sharding = NamedSharding(mesh, P(None, "d"))
+        inner = jax.jit(lambda a: jnp.exp(a) * 2, out_shardings=sharding)
+        f = autocast(lambda a: inner(a @ a), "mixed_float16")
+        x = jnp.ones((8, 8)) * 0.1
+        jaxpr = jax.make_jaxpr(f)(x)
+        (jit,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "jit"]
+        assert jit.params["out_shardings"] == (sharding,), jit.params["out_shardings"]
+        assert jit.params["name"] == "<lambda>"
+        assert jit.params["jaxpr"].in_avals[0].dtype == jnp.float32
+        y = jax.jit(lambda a: f(a) + 0)(x)
+        assert y.sharding.spec == P(None, "d"), y.sharding
+        assert y.dtype == jnp.float16
+        print("ok")
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_scan_carry_gets_a_stable_dtype():
+    def fn(x, xs):
+        def body(c, a):
+            c = jnp.exp(c * 0.1) + a     # float16 carry in, float32 out
+            return c, c * 2
+        return lax.scan(body, x, xs)
+
+    x, xs = jnp.ones(3, jnp.float16), jnp.ones((5, 3), jnp.float16)
+    f = autocast(fn, "float16")
+    (scan,) = find(f, x, xs, name="scan")
+    carry_in = scan.params["jaxpr"].in_avals[0]
+    assert carry_in.dtype == F32 and scan.params["jaxpr"].out_avals[0].dtype == F32
+    (c, ys) = f(x, xs)
+    want = fn(x.astype(jnp.float32), xs.astype(jnp.float32))
+    close(c, want[0]), close(ys, want[1])
+
+
+def test_while_loop_and_cond():
+    def fn(x, flag):
+        x = lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.log1p(c[1])), (0, x))[1]
+        return lax.cond(flag, lambda v: jnp.sqrt(v), lambda v: v * 2, x)
+
+    x = jnp.full(4, 3.0, jnp.float16)
+    f = autocast(fn, "float16")
+    (cond,) = find(f, x, True, name="cond")
+    assert [b.out_avals[0].dtype for b in cond.params["branches"]] == [F32, F32]
+    (loop,) = find(f, x, True, name="while")
+    assert loop.params["body_jaxpr"].out_avals[1].dtype == F32
+    for flag in (True, False):
+        close(f(x, flag), fn(x.astype(jnp.float32), flag), rtol=2e-3, atol=2e-3)
+
+
+def test_checkpoint_keeps_its_policy():
+    policy = jax.checkpoint_policies.nothing_saveable
+    fn = lambda w, x: jnp.sum(jax.checkpoint(lambda w: jnp.sin(x @ w), policy=policy)(w))
+    w, x = rng(4, 4), rng(2, 4, seed=1)
+    f = autocast(fn, "mixed_float16")
+    (remat,) = find(f, w, x, name="remat2")
+    assert remat.params["policy"] is policy
+    close(jax.grad(f)(w, x), jax.grad(fn)(w, x), rtol=2e-2, atol=2e-2)
+
+
+# --- composition ------------------------------------------------------------------------
+
+def test_composes_with_jit_grad_vmap_jvp():
+    w, x = rng(4, 4), rng(5, 4, seed=1)
+    fn = lambda w, x: jnp.sum(jax.nn.gelu(x @ w) ** 2)
+    f = autocast(fn, "mixed_float16")
+    close(jax.jit(f)(w, x), fn(w, x), rtol=2e-2)
+    close(jax.jit(jax.grad(f))(w, x), jax.grad(fn)(w, x), rtol=3e-2, atol=3e-2)
+    per_row = jax.vmap(f, in_axes=(None, 0))(w, x[:, None])
+    assert per_row.shape == (5,) and per_row.dtype == F16
+    close(per_row, jax.vmap(fn, in_axes=(None, 0))(w, x[:, None]), rtol=2e-2)
+    primal, tangent = jax.jvp(lambda w: f(w, x), (w,), (jnp.ones_like(w),))
+    want = jax.jvp(lambda w: fn(w, x), (w,), (jnp.ones_like(w),))
+    close(primal, want[0], rtol=2e-2), close(tangent, want[1], rtol=3e-2)
+
+
+def test_traces_once_per_signature_and_keeps_static_leaves():
+    calls = []
+
+    def fn(x, cfg):
+        calls.append(1)
+        return x * cfg["scale"] if cfg["mode"] == "scale" else x
+
+    f = autocast(fn, "mixed_float16")
+    for _ in range(3):
+        f(jnp.ones(3), {"mode": "scale", "scale": 2.0})
+    assert len(calls) == 1
+    f(jnp.ones(4), {"mode": "scale", "scale": 2.0})
+    f(jnp.ones(4), {"mode": "other", "scale": 2.0})
+    assert len(calls) == 3
+
+
+def test_flax_linen_apply():
+    nn = pytest.importorskip("flax.linen")
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.LayerNorm()(nn.Dense(16)(x))
+            return nn.Dense(3)(nn.gelu(x))
+
+    model, x = MLP(), rng(4, 8)
+    variables = model.init(jax.random.key(0), x)
+    f = autocast(model.apply, "mixed_float16")
+    dots = find(f, variables, x, name="dot_general")
+    assert len(dots) == 2 and all(in_dtypes(d) == [F16, F16] for d in dots)
+    out = f(variables, x)
+    assert out.dtype == F16
+    close(out, model.apply(variables, x))
+
+
+def test_flax_nnx_module_as_argument():
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.relu,
+                           nnx.Linear(16, 3, rngs=nnx.Rngs(1)))
+    x = rng(4, 8)
+    f = autocast(lambda m, x: m(x), "mixed_bfloat16")
+    dots = find(f, model, x, name="dot_general")
+    assert all(in_dtypes(d) == [BF16, BF16] for d in dots)
+    out = f(model, x)
+    assert out.dtype == BF16
+    close(out, model(x), rtol=3e-2, atol=3e-2)
+
+
+# --- a transformer block ------------------------------------------------------------------
+
+V, T, D, H, C, B = 16, 8, 32, 2, 4, 128
+
+
+def layer_norm(x, g, b):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) * lax.rsqrt(var + 1e-5) * g + b
+
+
+def init_params(key):
+    ks = jax.random.split(key, 9)
+    n = lambda k, shape, scale: jax.random.normal(k, shape) * scale
+    s = D ** -0.5
+    return dict(
+        emb=n(ks[0], (V, D), 1.0), pos=n(ks[1], (T, D), 0.1),
+        wq=n(ks[2], (D, D), s), wk=n(ks[3], (D, D), s), wv=n(ks[4], (D, D), s),
+        wo=n(ks[5], (D, D), s), w1=n(ks[6], (D, 4 * D), s), b1=jnp.zeros(4 * D),
+        w2=n(ks[7], (4 * D, D), (4 * D) ** -0.5), b2=jnp.zeros(D), head=n(ks[8], (D, C), s),
+        g1=jnp.ones(D), c1=jnp.zeros(D), g2=jnp.ones(D), c2=jnp.zeros(D),
+        g3=jnp.ones(D), c3=jnp.zeros(D))
+
+
+def block(p, x):
+    b, t, d = x.shape
+    with jax.named_scope("attention"):
+        h = layer_norm(x, p["g1"], p["c1"])
+        q, k, v = [(h @ p[w]).reshape(b, t, H, d // H) for w in ("wq", "wk", "wv")]
+        s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(d // H)
+        a = jax.nn.softmax(s, axis=-1)
+        x = x + jnp.einsum("bhts,bshd->bthd", a, v).reshape(b, t, d) @ p["wo"]
+    with jax.named_scope("mlp"):
+        h = layer_norm(x, p["g2"], p["c2"])
+        return x + jax.nn.gelu(h @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+def model(p, tokens):
+    x = p["emb"][tokens] + p["pos"]
+    return layer_norm(block(p, x), p["g3"], p["c3"]).mean(1) @ p["head"]
+
+
+def loss_fn(p, tokens, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model(p, tokens), y).mean()
+
+
+def make_data(key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    tokens = jax.random.randint(k1, (B, T), 0, V)
+    y = (tokens[:, 0] + tokens[:, 3]) % C
+    noisy = jax.random.bernoulli(k2, 0.2, (B,))
+    return tokens, jnp.where(noisy, jax.random.randint(k3, (B,), 0, C), y)
+
+
+def test_transformer_block_precision_per_operation():
+    p = init_params(jax.random.key(0))
+    x = rng(4, T, D, seed=3)
+    f = autocast(block, "mixed_float16")
+    all_eqns = list(eqns(jax.make_jaxpr(f)(p, x)))
+    dots = [e for e in all_eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 8  # q, k, v, scores, mix, out-projection, two MLP layers
+    assert all(in_dtypes(d) == [F16, F16] and out_dtype(d) == F32 for d in dots)
+    # softmax (max, exp, sum, div) and LayerNorm (sums, rsqrt) are float32
+    for name in ("reduce_max", "exp", "reduce_sum", "div", "rsqrt"):
+        assert [e for e in all_eqns if e.primitive.name == name]
+        assert all(out_dtype(e) == F32 for e in all_eqns if e.primitive.name == name), name
+    out = f(p, x)
+    want = block(p, x)
+    assert out.dtype == F16
+    rel = jnp.linalg.norm(out.astype(jnp.float32) - want) / jnp.linalg.norm(want)
+    assert rel < 1e-2, rel
+    # The loss is float32 inside and within 1e-2 of float32.
+    tokens, y = make_data(jax.random.key(1))
+    lf = autocast(loss_fn, "mixed_float16")
+    log = [e for e in eqns(jax.make_jaxpr(lf)(p, tokens, y)) if e.primitive.name == "log"]
+    assert log and all(out_dtype(e) == F32 for e in log)
+    close(lf(p, tokens, y), loss_fn(p, tokens, y), rtol=1e-2, atol=0)
+
+
+def train(kind, steps=300, lr=3e-3):
+    params = init_params(jax.random.key(0))
+    tokens, y = make_data(jax.random.key(1))
+    if kind == "naive_float16":  # the whole model, params included, cast to float16
+        params = jax.tree.map(lambda a: a.astype(jnp.float16), params)
+    scaled = kind == "autocast"
+    tx = jmp_policy.loss_scaling(optax.adam(lr), "dynamic") if scaled else optax.adam(lr)
+    lf = autocast(loss_fn, "mixed_float16") if scaled else loss_fn
+
+    @jax.jit
+    def step(params, state):
+        if scaled:
+            scale = jmp_policy.get_loss_scale(state)
+            loss, grads = jmp_policy.scaled_value_and_grad(lf)(scale, params, tokens, y)
+        else:
+            loss, grads = jax.value_and_grad(lf)(params, tokens, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    for _ in range(steps):
+        params, state = step(params, state)
+    f32_params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+    return float(loss_fn(f32_params, tokens, y))
+
+
+def test_training_300_steps_matches_float32_where_naive_float16_fails():
+    full = train("float32")
+    auto = train("autocast")
+    naive = train("naive_float16")
+    print(f"final loss after 300 steps: float32 {full:.6g}, autocast {auto:.6g}, "
+          f"naive float16 {naive:.6g}")
+    assert np.isfinite(full) and full < 0.5  # it did learn (initial loss ~1.5)
+    assert abs(auto - full) <= 0.02 * full
+    assert not np.isfinite(naive) or naive > 1.1 * full
