@@ -90,6 +90,17 @@ def _float_setting(x: Any, name: str) -> float:
         raise TypeError(f"{name} must be a scalar number, got {x!r}.") from None
 
 
+def _float32_setting(x: Any, name: str) -> float:
+    """`_float_setting` rounded to float32, the precision the scale is computed in.
+
+    Rounding first keeps comparisons exact: ``min_loss_scale=0.7`` with
+    ``loss_scale=0.7`` must hold ``min <= scale`` after both become float32.
+    """
+    value = _float_setting(x, name)
+    with np.errstate(over="ignore"):
+        return float(np.float32(value)) if math.isfinite(value) else value
+
+
 def _scale_leaves(tree: T, factor: Any) -> T:
     """Multiplies floating leaves by float32 ``factor``, keeping each leaf's dtype.
 
@@ -170,7 +181,7 @@ class StaticLossScale:
         if _is_tracer(value):  # only usable inside the trace that made it
             object.__setattr__(self, "loss_scale", _as_float32_scalar(value, "loss_scale"))
             return
-        value = _float_setting(value, "loss_scale")
+        value = _float32_setting(value, "loss_scale")
         _check_scale_value(value, "StaticLossScale loss_scale", allow_zero=True)
         object.__setattr__(self, "loss_scale", np.float32(value))
 
@@ -238,11 +249,11 @@ class DynamicLossScale:
         # Keep an integral factor an int (jmp's default ``2``), so the repr round-trips.
         set_("factor", int(factor) if factor.is_integer() else factor)
 
-        min_scale = _float_setting(self.min_loss_scale, "min_loss_scale")
+        min_scale = _float32_setting(self.min_loss_scale, "min_loss_scale")
         _check_scale_value(min_scale, "min_loss_scale", allow_zero=True)
         set_("min_loss_scale", min_scale)
         if self.max_loss_scale is not None:
-            max_scale = _float_setting(self.max_loss_scale, "max_loss_scale")
+            max_scale = _float32_setting(self.max_loss_scale, "max_loss_scale")
             _check_scale_value(max_scale, "max_loss_scale", allow_zero=False)
             if max_scale < min_scale:
                 raise ValueError(
