@@ -478,17 +478,7 @@ def _jit(ctx, eqn, invals, stack, pin):
     # Rebinding the primitive (rather than inlining) keeps in/out shardings, donation,
     # layouts, the name and compiler options exactly as the user wrote them.
     jaxpr = _trace(ctx, eqn.params["jaxpr"], _dtypes(invals), stack, pin)
-    if jaxpr.consts:
-        jaxpr = _inline_consts(jaxpr)
     return eqn.primitive.bind(*invals, **dict(eqn.params, jaxpr=jaxpr))
-
-
-def _inline_consts(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """A closed jaxpr with no consts, computing the same function (consts become literals)."""
-    consts = closed.consts
-    return jax.make_jaxpr(lambda *a: jax.core.eval_jaxpr(closed.jaxpr, consts, *a))(
-        *[jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in closed.in_avals]
-    )
 
 
 def _closed_call(ctx, eqn, invals, stack, pin):
@@ -605,17 +595,23 @@ def _custom_vjp(ctx, eqn, invals, stack, pin):
 
 
 def _stable_carry(ctx, body: ClosedJaxpr, before: list, carry: list, after: list,
-                  out_slice: slice, stack: str, pin: bool) -> list:
-    """Carry dtypes that the autocast body maps to themselves (widening only)."""
+                  out_slice: slice, stack: str, pin: bool) -> tuple:
+    """Carry dtypes that the autocast body maps to themselves (widening only).
+
+    Returns them with the body traced for them, when that trace already returns
+    exactly those dtypes (the common case), else with None.
+    """
     for _ in range(4):
         traced = _trace(ctx, body, before + carry + after, stack, pin)
         outs = [a.dtype for a in traced.out_avals[out_slice]]
+        if outs == carry:
+            return carry, traced
         joined = [_join(c, o) if is_floating_dtype(c) and is_floating_dtype(o) else c
                   for c, o in zip(carry, outs)]
         if joined == carry:
-            return carry
+            return carry, None
         carry = joined
-    return carry
+    return carry, None
 
 
 def _scan(ctx, eqn, invals, stack, pin):
@@ -623,10 +619,12 @@ def _scan(ctx, eqn, invals, stack, pin):
     nc, nk = p["num_consts"], p["num_carry"]
     d = _dtypes(invals)
     consts_d, carry_d, xs_d = d[:nc], d[nc:nc + nk], d[nc + nk:]
-    carry_d = _stable_carry(ctx, p["jaxpr"], consts_d, carry_d, xs_d, slice(0, nk), stack, pin)
-    n_ys = len(p["jaxpr"].out_avals) - nk
-    body = _trace(ctx, p["jaxpr"], consts_d + carry_d + xs_d, stack, pin,
-                  out_dtypes=carry_d + [None] * n_ys)
+    carry_d, body = _stable_carry(ctx, p["jaxpr"], consts_d, carry_d, xs_d, slice(0, nk),
+                                  stack, pin)
+    if body is None:
+        n_ys = len(p["jaxpr"].out_avals) - nk
+        body = _trace(ctx, p["jaxpr"], consts_d + carry_d + xs_d, stack, pin,
+                      out_dtypes=carry_d + [None] * n_ys)
     invals = invals[:nc] + [_cast_float(x, dt) for x, dt in zip(invals[nc:nc + nk], carry_d)] \
         + invals[nc + nk:]
     body, hoisted = _hoist(body)
@@ -641,8 +639,10 @@ def _while(ctx, eqn, invals, stack, pin):
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
     d = _dtypes(invals)
     cond_d, body_d, carry_d = d[:cn], d[cn:cn + bn], d[cn + bn:]
-    carry_d = _stable_carry(ctx, p["body_jaxpr"], body_d, carry_d, [], slice(None), stack, pin)
-    body = _trace(ctx, p["body_jaxpr"], body_d + carry_d, stack, pin, out_dtypes=carry_d)
+    carry_d, body = _stable_carry(ctx, p["body_jaxpr"], body_d, carry_d, [], slice(None),
+                                  stack, pin)
+    if body is None:
+        body = _trace(ctx, p["body_jaxpr"], body_d + carry_d, stack, pin, out_dtypes=carry_d)
     cond = _trace(ctx, p["cond_jaxpr"], cond_d + carry_d, stack, pin)
     body, body_hoisted = _hoist(body)
     cond, cond_hoisted = _hoist(cond)
@@ -664,8 +664,9 @@ def _cond(ctx, eqn, invals, stack, pin):
         dts = [a.dtype for a in avals]
         out_d.append(functools.reduce(_join, dts) if all(is_floating_dtype(x) for x in dts)
                      else dts[0])
-    branches = tuple(_inline_consts(_trace(ctx, b, d, stack, pin, out_dtypes=out_d))
-                     for b in p["branches"])
+    branches = tuple(
+        t if [a.dtype for a in t.out_avals] == out_d else _trace(ctx, b, d, stack, pin, out_d)
+        for t, b in zip(traced, p["branches"]))
     return eqn.primitive.bind(index, *ops, **dict(p, branches=branches))
 
 
