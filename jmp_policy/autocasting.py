@@ -109,7 +109,8 @@ FOLLOW_PRIMITIVES = frozenset({
     # Sharding, placement and collectives.
     "device_put", "optimization_barrier", "sharding_constraint", "reshard",
     "layout_constraint", "pvary", "psum", "pmax", "pmin", "all_gather", "all_to_all",
-    "ppermute", "axis_index", "reduce_scatter",
+    "ppermute", "axis_index", "reduce_scatter", "psum_invariant", "all_gather_invariant",
+    "pbroadcast",
     # PRNG (no floating inputs).
     "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in",
     "random_split", "random_clone", "threefry2x32", "iota_2x32_shape", "rng_bit_generator",
@@ -118,7 +119,8 @@ FOLLOW_PRIMITIVES = frozenset({
 # Variadic primitives whose operands are independent: no dtype unification.
 _INDEPENDENT = frozenset({
     "sort", "device_put", "optimization_barrier", "psum", "pmax", "pmin", "all_gather",
-    "all_to_all", "ppermute", "reduce_scatter", "select_and_gather_add",
+    "all_to_all", "ppermute", "reduce_scatter", "select_and_gather_add", "psum_invariant",
+    "all_gather_invariant", "pvary",
 })
 
 # Known primitives whose parameters pin their dtypes (an embedded reduction jaxpr, a
@@ -132,7 +134,7 @@ _TRACED_DTYPES = frozenset({
 
 _HIGHER_ORDER = frozenset({
     "jit", "closed_call", "call", "remat2", "checkpoint", "custom_jvp_call",
-    "custom_vjp_call", "scan", "while", "cond",
+    "custom_vjp_call", "scan", "while", "cond", "shard_map",
 })
 
 _CLASSES = ("matmul", "float32", "follow")
@@ -685,6 +687,18 @@ def _hoist(closed: ClosedJaxpr) -> tuple:
     return hoisted, consts
 
 
+def _shard_map(ctx, eqn, invals, stack, pin):
+    # Re-entered through the public API, which sets up the manual-axes context the
+    # body's collectives and varying-manual-axes types need.
+    p = eqn.params
+    body = functools.partial(_eval_jaxpr, ctx, p["jaxpr"], (), prefix=stack, pinned=pin)
+    mapped = jax.shard_map(
+        lambda *args: tuple(body(args)), mesh=p["mesh"], in_specs=p["in_specs"],
+        out_specs=p["out_specs"], check_vma=p["check_vma"],
+        axis_names=set(p["newly_manual_axes"]))
+    return mapped(*invals)
+
+
 _HANDLERS: dict = {
     "jit": _jit,
     "closed_call": _closed_call,
@@ -696,6 +710,7 @@ _HANDLERS: dict = {
     "scan": _scan,
     "while": _while,
     "cond": _cond,
+    "shard_map": _shard_map,
 }
 
 

@@ -340,7 +340,7 @@ def test_custom_vjp_uses_the_users_backward_rule():
     assert not np.allclose(jax.grad(lambda w, x: jnp.sum((x @ w) ** 2))(w, x), g, atol=1e-2)
 
 
-def test_nested_jit_keeps_its_name_and_out_shardings():
+def test_nested_jit_keeps_its_shardings_and_shard_map_is_autocast():
     script = textwrap.dedent("""
         import jax, jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec as P
@@ -358,6 +358,19 @@ def test_nested_jit_keeps_its_name_and_out_shardings():
         y = jax.jit(lambda a: f(a) + 0)(x)
         assert y.sharding.spec == P(None, "d"), y.sharding
         assert y.dtype == jnp.float16
+        # shard_map inside fn: its body is autocast too, collectives included.
+        auto = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+        sm = jax.shard_map(lambda a, w: jax.lax.psum(jnp.exp(a @ w), "d"), mesh=auto,
+                           in_specs=(P(None, "d"), P("d", None)), out_specs=P())
+        g = autocast(sm, "mixed_float16")
+        a, w = jnp.ones((4, 8)) * 0.1, jnp.ones((8, 4)) * 0.1
+        (smap,) = [e for e in jax.make_jaxpr(g)(a, w).jaxpr.eqns if e.primitive.name == "shard_map"]
+        inner = [e for e in smap.params["jaxpr"].eqns if e.primitive.name == "custom_jvp_call"]
+        assert [v.aval.dtype for v in inner[0].invars] == [jnp.float16] * 2
+        assert abs(float(g(a, w)[0, 0]) - float(sm(a, w)[0, 0])) < 1e-2
+        ga = jax.jit(jax.grad(lambda a: g(a, w).astype(jnp.float32).sum()))(a)
+        assert ga.dtype == jnp.float32
+        assert abs(float(ga[0, 0]) - float(jax.grad(lambda a: sm(a, w).sum())(a)[0, 0])) < 1e-2
         print("ok")
     """)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
