@@ -20,6 +20,7 @@ dynamic for float16, none for bfloat16 and float32), and gradients come from
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -72,6 +73,37 @@ def _zero_fraction(grads: Any) -> jax.Array:
     return zeros / sum(g.size for g in leaves)
 
 
+def _build(policy: jmp_policy.Policy, learning_rate: float, loss_scale: Any, loss_weight: float):
+    """The model, optimizer and jitted train/eval steps of one configuration."""
+    model = CNN(policy)
+    tx = jmp_policy.loss_scaling(
+        optax.adam(learning_rate), policy if loss_scale is _FROM_POLICY else loss_scale)
+
+    def loss_fn(params, x, y):
+        logits = model.apply({"params": params}, x)
+        # Softmax cross-entropy in float32, whatever the compute dtype.
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
+        return loss_weight * ce.mean()
+
+    @jax.jit
+    def train_step(params, opt_state, x, y):
+        scale = jmp_policy.get_loss_scale(opt_state)
+        loss, grads = jmp_policy.scaled_value_and_grad(loss_fn)(scale, params, x, y)
+        zero_fraction = _zero_fraction(grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, zero_fraction
+
+    @jax.jit
+    def accuracy(params, x, y):
+        return jnp.mean(jnp.argmax(model.apply({"params": params}, x), -1) == y)
+
+    return model, tx, train_step, accuracy
+
+
+# Repeated runs of one configuration (tests, notebooks) reuse the compiled steps.
+_build_cached = functools.lru_cache(maxsize=16)(_build)
+
+
 def train(
     policy: Any = "mixed_float16",
     *,
@@ -94,30 +126,13 @@ def train(
     """
     policy = jmp_policy.Policy(policy)
     x_train, x_test, y_train, y_test = data if data is not None else load_data()
-    model = CNN(policy)
+    try:
+        model, tx, train_step, accuracy = _build_cached(policy, learning_rate, loss_scale, loss_weight)
+    except TypeError:  # an unhashable loss-scale object: build afresh
+        model, tx, train_step, accuracy = _build(policy, learning_rate, loss_scale, loss_weight)
     params = model.init(jax.random.key(seed), jnp.zeros((1, 8, 8, 1)))["params"]
-    tx = jmp_policy.loss_scaling(
-        optax.adam(learning_rate), policy if loss_scale is _FROM_POLICY else loss_scale)
     opt_state = tx.init(params)
     initial_params = params
-
-    def loss_fn(params, x, y):
-        logits = model.apply({"params": params}, x)
-        # Softmax cross-entropy in float32, whatever the compute dtype.
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
-        return loss_weight * ce.mean()
-
-    @jax.jit
-    def train_step(params, opt_state, x, y):
-        scale = jmp_policy.get_loss_scale(opt_state)
-        loss, grads = jmp_policy.scaled_value_and_grad(loss_fn)(scale, params, x, y)
-        zero_fraction = _zero_fraction(grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, zero_fraction
-
-    @jax.jit
-    def accuracy(params, x, y):
-        return jnp.mean(jnp.argmax(model.apply({"params": params}, x), -1) == y)
 
     rng = np.random.RandomState(seed)
     order = np.concatenate([rng.permutation(len(x_train))

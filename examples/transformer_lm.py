@@ -1,0 +1,270 @@
+"""A small byte-level transformer language model under three policies.
+
+    python examples/transformer_lm.py               # ~1-2 min on a laptop CPU
+    python examples/transformer_lm.py --steps 20 --out /tmp/lm
+
+The text is the source code of a few Python standard-library modules, read from
+disk (it ships with every Python: no download). The model code below never
+mentions a dtype: the policy is applied from outside, around ``init`` and
+``apply``, with ``jmp_policy.flax.module_policy``:
+
+* every layer runs under the policy (``mixed_bfloat16``: bfloat16 compute,
+  float32 parameters);
+* every ``nn.LayerNorm`` and the output ``logits`` layer stay float32;
+* the attention softmax is computed in float32 and handed back in the
+  compute dtype (a policy whose output dtype differs from its compute dtype).
+
+float32, mixed_bfloat16 and mixed_float16 (+ dynamic loss scaling) are trained
+with the same seed and batches; the script prints a table (held-out loss in
+bits per byte, steps/s, skipped steps, final loss scale, step memory) and
+writes ``results.json`` and ``lm.png`` to ``--out`` (default
+``results/transformer_lm/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any, Dict, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jmp_policy
+import jmp_policy.flax
+
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+TEXT_MODULES = ("textwrap", "string", "difflib", "argparse", "json.decoder", "json.encoder")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    d_model: int = 64
+    heads: int = 4
+    layers: int = 2
+    seq_len: int = 64
+    batch_size: int = 16
+    learning_rate: float = 2e-3
+    vocab: int = 256  # bytes
+
+
+class Softmax(nn.Module):
+    """``jax.nn.softmax`` in the module's ``dtype`` (set by a policy)."""
+
+    dtype: Any = None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.nn.softmax(x if self.dtype is None else x.astype(self.dtype), axis=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    heads: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        q, k, v = jnp.split(nn.Dense(3 * d, use_bias=False, name="qkv")(x), 3, axis=-1)
+        q, k, v = (a.reshape(b, t, self.heads, d // self.heads) for a in (q, k, v))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // self.heads)
+        mask = jnp.tril(jnp.ones((t, t), bool))
+        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+        weights = Softmax()(scores)
+        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
+        return nn.Dense(d, name="proj")(out)
+
+
+class Block(nn.Module):
+    config: Config
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + CausalSelfAttention(self.config.heads)(nn.LayerNorm()(x))
+        h = nn.gelu(nn.Dense(4 * self.config.d_model)(nn.LayerNorm()(x)))
+        return x + nn.Dense(self.config.d_model)(h)
+
+
+class TransformerLM(nn.Module):
+    config: Config
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        c = self.config
+        x = nn.Embed(c.vocab, c.d_model)(tokens)
+        pos = self.param("pos", nn.initializers.normal(0.02), (c.seq_len, c.d_model))
+        x = x + pos[: tokens.shape[1]].astype(x.dtype)
+        for _ in range(c.layers):
+            x = Block(c)(x)
+        return nn.Dense(c.vocab, name="logits")(nn.LayerNorm()(x))
+
+
+def module_policies(policy: Any) -> jmp_policy.flax.ModulePolicy:
+    """``policy`` for every layer; LayerNorm, softmax and logits in float32."""
+    policy = jmp_policy.Policy(policy)
+    return jmp_policy.flax.module_policy(
+        {
+            nn.LayerNorm: "float32",
+            "logits": "float32",
+            Softmax: jmp_policy.Policy("float32", "float32", policy.compute_dtype),
+        },
+        default=policy,
+    )
+
+
+def load_text() -> np.ndarray:
+    """Bytes of a few stdlib modules' source files."""
+    import importlib
+
+    chunks = []
+    for name in TEXT_MODULES:
+        with open(importlib.import_module(name).__file__, "rb") as f:
+            chunks.append(f.read())
+    return np.frombuffer(b"\n".join(chunks), dtype=np.uint8).astype(np.int32)
+
+
+def make_train_step(policy: Any, config: Config = Config(), loss_scale: Any = "policy"):
+    """Returns ``(init, train_step, eval_loss)`` for ``policy``; all jitted."""
+    policy = jmp_policy.Policy(policy)
+    model = TransformerLM(config)
+    policies = module_policies(policy)
+    tx = jmp_policy.loss_scaling(optax.adamw(config.learning_rate, weight_decay=0.01),
+                                 policy if loss_scale == "policy" else loss_scale)
+
+    def loss_fn(params, tokens):
+        with policies:
+            logits = model.apply({"params": params}, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), tokens[:, 1:]).mean()
+
+    @jax.jit
+    def init_params(key):
+        with policies:
+            return model.init(key, jnp.zeros((1, config.seq_len), jnp.int32))["params"]
+
+    def init(seed: int = 0):
+        params = init_params(jax.random.key(seed))
+        return params, tx.init(params)
+
+    @jax.jit
+    def train_step(params, opt_state, tokens):
+        scale = jmp_policy.get_loss_scale(opt_state)
+        loss, grads = jmp_policy.scaled_value_and_grad(loss_fn)(scale, params, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return init, train_step, jax.jit(loss_fn)
+
+
+def batches(text: np.ndarray, config: Config, seed: int):
+    rng = np.random.RandomState(seed)
+    while True:
+        starts = rng.randint(0, len(text) - config.seq_len - 1, size=config.batch_size)
+        yield np.stack([text[s:s + config.seq_len + 1] for s in starts])
+
+
+def train(policy: Any, *, steps: int = 300, seed: int = 0, config: Config = Config(),
+          text: Optional[np.ndarray] = None, progress: bool = False,
+          measure_memory: bool = False) -> Dict[str, Any]:
+    policy = jmp_policy.Policy(policy)
+    text = load_text() if text is None else text
+    split = int(0.9 * len(text))
+    train_text, test_text = text[:split], text[split:]
+    init, train_step, eval_loss = make_train_step(policy, config)
+    params, opt_state = init(seed)
+    data = batches(train_text, config, seed)
+    test_batch = next(batches(test_text, dataclasses.replace(config, batch_size=64), seed + 1))
+
+    step_bytes = None
+    if measure_memory:
+        memory = train_step.lower(params, opt_state, next(batches(train_text, config, 0))) \
+            .compile().memory_analysis()
+        if memory is not None:
+            step_bytes = int(memory.argument_size_in_bytes + memory.output_size_in_bytes
+                             + memory.temp_size_in_bytes)
+
+    losses, scales = [], []
+    bar = range(steps)
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(bar, desc=f"{policy.name:>15}")
+    start = None
+    for i in bar:
+        if i == 1:  # the first step compiles
+            jax.block_until_ready(params)
+            start = time.perf_counter()
+        params, opt_state, loss = train_step(params, opt_state, next(data))
+        losses.append(loss)
+        scales.append(jmp_policy.get_loss_scale(opt_state).loss_scale)
+    jax.block_until_ready(params)
+    elapsed = time.perf_counter() - start if start is not None else float("nan")
+    return {
+        "policy": str(policy),
+        "steps": steps,
+        "test_bits_per_byte": float(eval_loss(params, test_batch)) / math.log(2),
+        "steps_per_s": (steps - 1) / elapsed if steps > 1 else float("nan"),
+        "skipped_steps": int(optax.tree_utils.tree_get(opt_state, "skipped_steps")),
+        "final_loss_scale": float(scales[-1]),
+        "step_memory_bytes": step_bytes,
+        "params_finite": bool(jmp_policy.all_finite(params)),
+        "losses": [float(l) for l in losses],
+        "loss_scales": [float(s) for s in scales],
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--out", default=os.path.join("results", "transformer_lm"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    for field in ("d_model", "heads", "layers", "seq_len", "batch_size"):
+        parser.add_argument("--" + field.replace("_", "-"), type=int,
+                            default=getattr(Config(), field))
+    args = parser.parse_args(argv)
+    config = Config(d_model=args.d_model, heads=args.heads, layers=args.layers,
+                    seq_len=args.seq_len, batch_size=args.batch_size)
+
+    text = load_text()
+    print(f"text: {len(text):,} bytes of {', '.join(TEXT_MODULES)} sources")
+    results = [train(p, steps=args.steps, seed=args.seed, config=config, text=text,
+                     progress=True, measure_memory=True) for p in args.policies]
+    print()
+    header = ("policy", "test bits/byte", "steps/s", "skipped", "final scale", "step memory")
+    rows = [(r["policy"], f"{r['test_bits_per_byte']:.3f}", f"{r['steps_per_s']:.1f}",
+             str(r["skipped_steps"]), f"{r['final_loss_scale']:g}",
+             "n/a" if r["step_memory_bytes"] is None else f"{r['step_memory_bytes'] / 2**20:.1f} MiB")
+            for r in results]
+    widths = [max(len(x[i]) for x in rows + [header]) for i in range(len(header))]
+    for row in [header] + rows:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"device": str(jax.devices()[0]), "config": dataclasses.asdict(config),
+                   "results": results}, f, indent=1)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        ax_loss.plot(np.asarray(r["losses"]) / math.log(2), label=r["policy"])
+        ax_scale.plot(r["loss_scales"], label=r["policy"])
+    ax_loss.set(title="training loss", xlabel="step", ylabel="bits per byte")
+    ax_scale.set(title="loss scale", xlabel="step", yscale="log")
+    for ax in (ax_loss, ax_scale):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "lm.png"), dpi=110)
+    print(f"\nwrote {os.path.join(args.out, 'results.json')} and {os.path.join(args.out, 'lm.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Smoke tests: every example runs as a script with a tiny --steps and writes its outputs."""
+
+import importlib.util
+import json
+import os
+import runpy
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("sklearn")
+pytest.importorskip("matplotlib")
+pytest.importorskip("tqdm")
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples")
+POLICIES = ["float32", "mixed_bfloat16", "mixed_float16"]
+
+
+def _run_script(name, argv, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [name] + argv)
+    runpy.run_path(os.path.join(EXAMPLES, name), run_name="__main__")
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_example_{name}", os.path.join(EXAMPLES, name))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # flax modules are dataclasses: they look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script,plot,metric,extra", [
+    ("train_digits.py", "digits.png", "test_accuracy", []),
+    ("transformer_lm.py", "lm.png", "test_bits_per_byte", ["--layers", "1", "--d-model", "32"]),
+    ("nnx_mlp.py", "nnx_mlp.png", "test_accuracy", []),
+])
+def test_example_runs_and_writes_table_json_and_plot(script, plot, metric, extra, tmp_path,
+                                                     monkeypatch, capsys):
+    steps = 3
+    _run_script(script, ["--steps", str(steps), "--out", str(tmp_path)] + extra, monkeypatch)
+    out = capsys.readouterr().out
+    for policy in POLICIES:
+        assert f"| {policy} " in out  # one table row per policy
+    with open(tmp_path / "results.json") as f:
+        results = json.load(f)["results"]
+    assert [r["policy"] for r in results] == POLICIES
+    for r in results:
+        assert len(r["losses"]) == steps and all(np.isfinite(r["losses"]))
+        assert np.isfinite(r[metric]) and r["params_finite"]
+        assert r["skipped_steps"] == 0
+    assert [r["final_loss_scale"] for r in results] == [1.0, 1.0, 2.0**15]
+    png = (tmp_path / plot).read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_train_digits_is_reproducible():
+    td = _load("train_digits.py")
+    data = td.load_data()
+    a = td.train("mixed_bfloat16", steps=5, data=data)
+    b = td.train("mixed_bfloat16", steps=5, data=data)
+    assert a["losses"] == b["losses"] and a["test_accuracy"] == b["test_accuracy"]
+
+
+def test_transformer_lm_keeps_layernorm_softmax_and_logits_in_float32():
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    lm = _load("transformer_lm.py")
+    config = lm.Config(d_model=16, heads=2, layers=1, seq_len=8)
+    model = lm.TransformerLM(config)
+    tokens = jnp.zeros((1, config.seq_len), jnp.int32)
+    policies = lm.module_policies("mixed_bfloat16")
+    variables = jax.jit(policies(model.init))(jax.random.key(0), tokens)
+    _, state = jax.jit(policies(lambda v, t: model.apply(v, t, capture_intermediates=True)))(
+        variables, tokens)
+    assert {p.dtype for p in jax.tree.leaves(variables)} == {jnp.dtype("float32")}
+    outputs = {"/".join(path): leaf.dtype for path, leaf in _flat(state["intermediates"])}
+    assert outputs["logits"] == jnp.float32
+    assert outputs["LayerNorm_0"] == jnp.float32
+    assert outputs["Block_0/LayerNorm_0"] == jnp.float32
+    assert outputs["Block_0/Dense_0"] == jnp.bfloat16
+    assert outputs["Block_0/CausalSelfAttention_0/qkv"] == jnp.bfloat16
+    # The softmax is computed in float32 and handed back in the compute dtype.
+    assert outputs["Block_0/CausalSelfAttention_0/Softmax_0"] == jnp.bfloat16
+    softmax = lm.Softmax()
+    scores = jax.random.normal(jax.random.key(1), (4, 8)).astype(jnp.bfloat16) * 8
+    with lm.module_policies("mixed_bfloat16"):
+        got = softmax.apply({}, scores)
+    expected = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(got, expected)
+
+
+def _flat(tree, prefix=()):
+    for key, value in tree.items():
+        if key == "__call__":
+            yield prefix, value[0]
+        elif isinstance(value, dict):
+            yield from _flat(value, prefix + (key,))
