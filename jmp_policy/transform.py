@@ -152,11 +152,16 @@ def loss_scaling(
         # The predicate's only consumer is the cond: the bookkeeping below
         # happens inside the branches, where the predicate is a constant, so
         # XLA does not copy the finiteness computation into several fusions.
-        def apply_inner(grads, state, params, extra_args):
+        # Array-valued extra arguments are cond operands; anything else (Python
+        # numbers, strings, callables) is closed over, as optax.MultiSteps does.
+        array_args = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
+        static_args = {k: v for k, v in extra_args.items() if k not in array_args}
+
+        def apply_inner(grads, state, params, array_args):
             # Unscaling here (not before the cond) lets XLA fuse the multiply
             # into the optimizer's first elementwise op instead of writing it out.
             updates, inner_state = inner.update(
-                scale.unscale(grads), state.inner_state, params, **extra_args
+                scale.unscale(grads), state.inner_state, params, **array_args, **static_args
             )
             return updates, LossScalingState(
                 loss_scale=scale.adjust(jnp.asarray(True)),
@@ -165,20 +170,42 @@ def loss_scaling(
                 skipped_steps=state.skipped_steps,
             )
 
-        def skip(grads, state, params, extra_args):
-            updates_shape, _ = jax.eval_shape(apply_inner, grads, state, params, extra_args)
+        def skip(grads, state, params, array_args):
+            updates_shape, applied = jax.eval_shape(apply_inner, grads, state, params, array_args)
             zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), updates_shape)
             skipped = state.skipped_steps
             return zeros, LossScalingState(
                 loss_scale=scale.adjust(jnp.asarray(False)),
-                inner_state=state.inner_state,  # bit-for-bit unchanged
+                inner_state=_keep(state.inner_state, applied.inner_state),
                 grads_finite=jnp.asarray(False),
                 skipped_steps=jnp.where(skipped < _INT32_MAX, skipped + 1, skipped),
             )
 
-        return jax.lax.cond(grads_finite, apply_inner, skip, grads, state, params, extra_args)
+        return jax.lax.cond(grads_finite, apply_inner, skip, grads, state, params, array_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _keep(inner_state: Any, applied_shape: Any) -> Any:
+    """``inner_state`` unchanged, in the dtypes a finite step would have produced.
+
+    Some optimizers change a state leaf's dtype on their first update (e.g.
+    ``inject_hyperparams(adam)`` with bfloat16 params: bfloat16 moments become
+    float32); both branches of the cond must agree. Values are unchanged: such
+    casts only widen.
+    """
+    try:
+        return jax.tree_util.tree_map(
+            lambda old, new: old if jnp.result_type(old) == new.dtype else jnp.asarray(old, new.dtype),
+            inner_state,
+            applied_shape,
+        )
+    except ValueError as e:
+        raise ValueError(
+            "loss_scaling: the inner optimizer's update returns a state whose structure "
+            "differs from the state it was given, so a skipped step cannot keep the old "
+            f"state. Make the inner transformation's state structure constant. ({e})"
+        ) from None
 
 
 def _find_states(tree: Any, found: list) -> None:

@@ -93,6 +93,33 @@ def test_finiteness_is_judged_on_unscaled_grads():
         assert not bool(s.grads_finite), name
 
 
+@pytest.mark.parametrize(
+    "inner",
+    [
+        optax.adafactor(1e-3),
+        optax.masked(optax.lion(1e-3), {"dense": {"kernel": True, "bias": False}, "scale": True}),
+        optax.multi_transform({"a": optax.adam(1e-3), "s": optax.sgd(1e-2, momentum=0.9)},
+                              {"dense": {"kernel": "a", "bias": "s"}, "scale": "s"}),
+        # Changes a state dtype on its first update (bfloat16 moments become float32).
+        optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+    ],
+    ids=["adafactor", "masked", "multi_transform", "inject_hyperparams"],
+)
+def test_skip_with_various_inner_optimizers(inner):
+    params = make_params()
+    tx = jmp_policy.loss_scaling(inner, 4.0)
+    step = jax.jit(tx.update)
+    state = tx.init(params)
+    updates, state = step(grads_like(params, 4.0), state, params)
+    expected, _ = jax.jit(inner.update)(grads_like(params, 1.0), inner.init(params), params)
+    assert_trees_close(updates, expected)
+    bad = grads_like(params, 4.0)
+    bad["scale"] = bad["scale"].at[0].set(jnp.inf)
+    updates, skipped = step(bad, state, params)
+    assert_trees_identical(skipped.inner_state, state.inner_state)
+    assert not any(np.any(np.asarray(u, np.float32)) for u in jax.tree_util.tree_leaves(updates))
+
+
 def test_loss_scale_none_still_skips_non_finite_steps():
     tx = jmp_policy.loss_scaling(optax.sgd(0.1), None)
     state = tx.init({"w": jnp.ones(2)})
@@ -156,6 +183,8 @@ def test_extra_args_reach_an_inner_that_accepts_them():
     state = tx.init({"w": jnp.ones(2)})
     updates, _ = jax.jit(tx.update)({"w": jnp.full(2, 4.0)}, state, None, value=jnp.float32(3.0))
     np.testing.assert_array_equal(updates["w"], [3.0, 3.0])
+    updates, _ = tx.update({"w": jnp.full(2, 4.0)}, state, None, value=2.0)  # non-array: closed over
+    np.testing.assert_array_equal(updates["w"], [2.0, 2.0])
     # A plain GradientTransformation inner ignores extra arguments.
     tx = jmp_policy.loss_scaling(optax.sgd(1.0), 4.0)
     updates, _ = tx.update({"w": jnp.full(2, 4.0)}, tx.init({"w": jnp.ones(2)}), None, value=1.0)
