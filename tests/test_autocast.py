@@ -340,6 +340,34 @@ def test_custom_vjp_uses_the_users_backward_rule():
     assert not np.allclose(jax.grad(lambda w, x: jnp.sum((x @ w) ** 2))(w, x), g, atol=1e-2)
 
 
+def test_custom_vjp_with_forwarded_residuals_and_custom_jvp_with_int_argument():
+    @jax.custom_vjp
+    def f(x, w):
+        return jnp.sin(x @ w)
+
+    def bwd(res, g):
+        x, w = res
+        c = jnp.cos(x @ w) * g
+        return c @ w.T * 2.0, x.T @ c  # the factor 2 marks the user's rule
+
+    f.defvjp(lambda x, w: (f(x, w), (x, w)), bwd)  # inputs forwarded as residuals
+    loss = lambda x, w: jnp.sum(f(x, w) ** 2)
+    x, w = jnp.full((3, 4), 0.3), jnp.full((4, 2), 0.2)
+    got = jax.grad(autocast(loss, "mixed_float16"), (0, 1))(x, w)
+    want = jax.grad(loss, (0, 1))(x, w)
+    for g, r in zip(got, want):
+        assert g.dtype == F32
+        close(g, r, rtol=2e-2, atol=2e-3)
+
+    @jax.custom_jvp
+    def scale(x, n):
+        return x * n
+
+    scale.defjvp(lambda p, t: (scale(*p), t[0] * p[1] * 10))
+    g = jax.grad(autocast(lambda x: scale(x, 3).sum(), "mixed_float16"))(jnp.ones(2))
+    np.testing.assert_array_equal(g, [30.0, 30.0])
+
+
 def test_nested_jit_keeps_its_shardings_and_shard_map_is_autocast():
     script = textwrap.dedent("""
         import jax, jax.numpy as jnp
