@@ -201,8 +201,10 @@ def _fmt_bytes(n: Optional[int]) -> str:
 
 
 def table(results) -> str:
-    header = ("policy", "test acc", "steps/s", "skipped", "final scale", "step memory", "peak device")
-    rows = [(r["policy"], f"{100 * r['test_accuracy']:.2f}%", f"{r['steps_per_s']:.1f}",
+    header = ("policy", "test acc", "final loss", "zero grads", "steps/s", "skipped", "final scale",
+              "step memory", "peak device")
+    rows = [(r["policy"], f"{100 * r['test_accuracy']:.2f}%", f"{r['final_loss']:.4f}",
+             f"{100 * r['zero_grad_fraction']:.1f}%", f"{r['steps_per_s']:.1f}",
              str(r["skipped_steps"]), f"{r['final_loss_scale']:g}",
              _fmt_bytes(r["step_memory_bytes"]), _fmt_bytes(r["peak_device_bytes"]))
             for r in results]
@@ -241,12 +243,15 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=os.path.join("results", "train_digits"),
                         help="folder for results.json and digits.png")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES),
+                        help="policy names, e.g. 'mixed_float16,loss_scale=none'")
+    parser.add_argument("--loss-weight", type=float, default=1.0,
+                        help="multiply the loss (1e-6 shows float16 underflow)")
     args = parser.parse_args(argv)
 
     data = load_data(args.seed)
     results = [train(p, steps=args.steps, seed=args.seed, data=data, progress=True,
-                     measure_memory=True)
+                     measure_memory=True, loss_weight=args.loss_weight)
                for p in args.policies]
     print()
     print(table(results))

@@ -33,7 +33,8 @@ def _load(name):
 
 @pytest.mark.parametrize("script,plot,metric,extra", [
     ("train_digits.py", "digits.png", "test_accuracy", []),
-    ("transformer_lm.py", "lm.png", "test_bits_per_byte", ["--layers", "1", "--d-model", "32"]),
+    ("transformer_lm.py", "lm.png", "test_bits_per_byte",
+     ["--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4"]),
     ("nnx_mlp.py", "nnx_mlp.png", "test_accuracy", []),
 ])
 def test_example_runs_and_writes_table_json_and_plot(script, plot, metric, extra, tmp_path,
