@@ -224,6 +224,11 @@ def _primitive_name(prim: Any) -> str:
         raise TypeError(
             f"autocast rules list primitives by name ('exp') or Primitive object; got {prim!r}."
         )
+    if name in _TRACED_DTYPES:
+        raise ValueError(
+            f"{name!r} always runs at the dtypes it was traced with (its parameters fix its "
+            "types), so it cannot be moved to another class."
+        )
     if name in _HIGHER_ORDER:
         raise ValueError(
             f"{name!r} is a higher-order primitive: autocast applies its rules inside it, so it "
@@ -420,6 +425,8 @@ def _matmul(eqn: Any, compute: np.dtype, params: dict, lhs: Any, rhs: Any) -> An
     """
     acc = _join(compute, _F32)
     fwd_params = dict(params, preferred_element_type=acc)
+    if acc == compute:  # float32 (or wider) compute: JAX's own derivative is already right
+        return _bind(eqn, (lhs, rhs), fwd_params)
     tan_params = dict(params, preferred_element_type=compute)
 
     def product(a, b):

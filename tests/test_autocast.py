@@ -274,6 +274,7 @@ def test_float32_scopes_pin_a_call_site():
     ({"float32": ["exq"]}, ValueError),
     ({"float32": ["exp"], "follow": ["exp"]}, ValueError),
     ({"float32": ["scan"]}, ValueError),
+    ({"follow": ["scatter-add"]}, ValueError),
     ({"float32_scopes": ["a//b"]}, ValueError),
     ({"float32": [3]}, TypeError),
     (["exp"], TypeError),
