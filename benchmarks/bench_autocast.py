@@ -71,7 +71,8 @@ def make_model(mm):
 float32_loss = make_model(lambda a, b, spec: jnp.einsum(spec, a, b))
 # Careful hand-written mixed precision: half-precision products, widened right away so
 # that everything around them (residuals, LayerNorm, softmax, loss) stays float32.
-hand_loss = make_model(lambda a, b, spec: jnp.einsum(spec, a.astype(F16), b.astype(F16)).astype(jnp.float32))
+hand_loss = make_model(
+    lambda a, b, spec: jnp.einsum(spec, a.astype(F16), b.astype(F16)).astype(jnp.float32))
 
 
 def init(key, vocab, seq, width, classes):
@@ -106,7 +107,9 @@ def make_step(kind):
 
 
 def count_stablehlo_ops(text: str) -> int:
-    return len(re.findall(r"=\s*\"?stablehlo\.", text)) + len(re.findall(r"^\s*stablehlo\.", text, re.M))
+    """Ops in the lowered module: ``%x = stablehlo.op`` plus result-less ones (return...)."""
+    return (len(re.findall(r"=\s*\"?stablehlo\.", text))
+            + len(re.findall(r"^\s*stablehlo\.", text, re.M)))
 
 
 def count_hlo_instructions(text: str) -> int:

@@ -39,7 +39,7 @@ import difflib
 import functools
 import threading
 import warnings
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -139,7 +139,9 @@ _HIGHER_ORDER = frozenset({
 
 _CLASSES = ("matmul", "float32", "follow")
 _RULE_KEYS = _CLASSES + ("float32_scopes",)
-_DEFAULTS = {"matmul": MATMUL_PRIMITIVES, "float32": FLOAT32_PRIMITIVES, "follow": FOLLOW_PRIMITIVES}
+_DEFAULTS = {
+    "matmul": MATMUL_PRIMITIVES, "float32": FLOAT32_PRIMITIVES, "follow": FOLLOW_PRIMITIVES,
+}
 _KNOWN = MATMUL_PRIMITIVES | FLOAT32_PRIMITIVES | FOLLOW_PRIMITIVES | _TRACED_DTYPES
 
 
@@ -169,7 +171,8 @@ def _parse_rules(rules: Optional[Mapping[str, Any]]) -> _Rules:
     if not isinstance(rules, Mapping):
         raise TypeError(
             f"autocast rules must be a mapping with keys among {', '.join(_RULE_KEYS)}, "
-            f"e.g. {{'float32': ['tanh'], 'float32_scopes': ['attention']}}; got {type(rules).__name__}."
+            "e.g. {'float32': ['tanh'], 'float32_scopes': ['attention']}; "
+            f"got {type(rules).__name__}."
         )
     unknown = [k for k in rules if k not in _RULE_KEYS]
     if unknown:

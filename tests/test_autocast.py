@@ -629,3 +629,27 @@ def test_training_300_steps_matches_float32_where_naive_float16_fails():
     assert np.isfinite(full) and full < 0.5  # it did learn (initial loss ~1.5)
     assert abs(auto - full) <= 0.02 * full
     assert not np.isfinite(naive) or naive > 1.1 * full
+
+
+def test_train_step_lowers_to_no_more_ops_than_hand_written_mixed_precision():
+    def mlp(mm, p, x, y):
+        h = layer_norm(mm(x, p["w1"]) + p["b1"], p["g"], p["c"])
+        logits = mm(jax.nn.gelu(h), p["w2"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    f32_mm = lambda a, b: a @ b
+    # Hand-written: half-precision products widened at once; the rest float32.
+    hand_mm = lambda a, b: (a.astype(jnp.float16) @ b.astype(jnp.float16)).astype(jnp.float32)
+    k = jax.random.split(jax.random.key(0), 2)
+    p = dict(w1=jax.random.normal(k[0], (16, 32)), b1=jnp.zeros(32), g=jnp.ones(32),
+             c=jnp.zeros(32), w2=jax.random.normal(k[1], (32, 4)))
+    x, y = rng(8, 16), jnp.arange(8) % 4
+
+    def ops(loss):
+        text = jax.jit(jax.grad(loss)).trace(p, x, y).lower().as_text()
+        return text.count("stablehlo.")
+
+    auto = ops(autocast(lambda p, x, y: mlp(f32_mm, p, x, y), "mixed_float16"))
+    hand = ops(lambda p, x, y: mlp(hand_mm, p, x, y))
+    print(f"StableHLO ops of the grad step: autocast {auto}, hand-written {hand}")
+    assert auto <= hand, (auto, hand)
