@@ -317,6 +317,9 @@ class _Context:
     compute: np.dtype
     rules: _Rules
     warned: set = dataclasses.field(default_factory=set)
+    # Sub-jaxprs already autocast in this trace: JAX's own helpers (`_where`, `clip`,
+    # `take_along_axis`...) are nested jits called many times with the same jaxpr.
+    traced: dict = dataclasses.field(default_factory=dict)
 
 
 def _join_stack(prefix: str, stack: Any) -> str:
@@ -467,6 +470,11 @@ def _at_traced_dtypes(eqn: Any, invals: Sequence[Any]) -> list:
 def _trace(ctx: _Context, closed: ClosedJaxpr, in_dtypes: Sequence[Any], stack: str,
            pin: bool, out_dtypes: Optional[Sequence[Any]] = None) -> ClosedJaxpr:
     """``closed`` autocast for inputs of ``in_dtypes``, as a new closed jaxpr."""
+    key = (id(closed), tuple(in_dtypes), None if out_dtypes is None else tuple(out_dtypes), pin,
+           stack if ctx.rules.float32_scopes else None)
+    hit = ctx.traced.get(key)
+    if hit is not None and hit[0] is closed:
+        return hit[1]
     structs = [
         jax.ShapeDtypeStruct(a.shape, d, weak_type=getattr(a, "weak_type", False))
         for a, d in zip(closed.in_avals, in_dtypes)
@@ -479,7 +487,9 @@ def _trace(ctx: _Context, closed: ClosedJaxpr, in_dtypes: Sequence[Any], stack: 
                     for o, d in zip(outs, out_dtypes)]
         return outs
 
-    return jax.make_jaxpr(body)(*structs)
+    result = jax.make_jaxpr(body)(*structs)
+    ctx.traced[key] = (closed, result)  # holding `closed` keeps its id unique
+    return result
 
 
 def _dtypes(values: Sequence[Any]) -> list:
