@@ -500,6 +500,10 @@ def test_flax_linen_apply():
     out = f(variables, x)
     assert out.dtype == F16
     close(out, model.apply(variables, x))
+    # Linen names a scope after each submodule: pin the output layer to float32.
+    pinned = autocast(model.apply, "mixed_float16", rules={"float32_scopes": ["Dense_1"]})
+    dots = find(pinned, variables, x, name="dot_general")
+    assert sorted(str(in_dtypes(d)[0]) for d in dots) == ["float16", "float32"]
 
 
 def test_flax_nnx_module_as_argument():
