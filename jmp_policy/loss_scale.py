@@ -376,48 +376,57 @@ def _check_bool_scalar(pred: Any, what: str) -> jax.Array:
     return jnp.asarray(pred)
 
 
-def _largest_magnitude(x: jax.Array) -> jax.Array:
-    """``max(|x|)`` as a float32 scalar; NaN if ``x`` holds a NaN (XLA's max propagates NaN).
-
-    A max, unlike a sum, cannot overflow on finite data, and it reads ``x``
-    once inside a single fused reduction: no boolean mask is materialised.
-    """
-    return jnp.max(jnp.abs(x)).astype(jnp.float32)
-
-
 def _nonfinite_sum(leaves, multiplier: Any = None) -> jax.Array:
-    """0 if every floating leaf (times ``multiplier``) is finite, else NaN (a float32 scalar).
+    """0 if every floating leaf is finite, else NaN (a float32 scalar).
 
-    Each leaf costs one fused ``max(|x|)`` reduction (one read, no boolean
-    mask); the rest is scalar work. ``multiplier`` (e.g. ``1 / loss_scale``)
-    is applied to the largest magnitude per dtype instead of to every
-    element: rounding is monotonic, so ``max|x| * m`` cast to the leaf's dtype
-    overflows exactly when some ``x * m`` does, as `unscale` computes it.
+    Per leaf, ``sum(x * 0)`` is 0 for finite data and NaN as soon as one
+    element is inf or NaN (IEEE arithmetic, whatever the backend's min/max
+    conventions), and a sum of zeros cannot overflow. Leaves of the same shape
+    share one variadic reduction, so XLA reads each leaf once in a few fused
+    kernels and no boolean mask is written.
+
+    With ``multiplier`` (``1 / loss_scale``, when it may exceed 1), the result
+    is also NaN when some ``x * multiplier``, cast back to the leaf's dtype as
+    `unscale` does, overflows: the same pass tracks ``max(|x|)``, and rounding
+    is monotonic, so ``max(|x|) * multiplier`` overflows exactly when some
+    element's product does.
     """
-    largest_by_dtype: dict = {}
+    groups: dict = {}  # XLA's variadic reduce needs one shape and one dtype
     for x in leaves:
         dtype = _leaf_dtype(x)
-        if dtype is None or not is_floating_dtype(dtype) or not np.size(x):
-            continue
-        largest_by_dtype.setdefault(np.dtype(dtype), []).append(_largest_magnitude(jnp.asarray(x)))
-    if not largest_by_dtype:
-        return jnp.zeros((), jnp.float32)
-    flags = []
-    for dtype, largest in largest_by_dtype.items():
-        largest = jnp.max(jnp.stack(largest))  # NaN-propagating
-        if multiplier is not None:
-            largest = (largest * multiplier).astype(dtype).astype(jnp.float32)
-        flags.append(largest * 0)  # 0 if finite, NaN if inf or NaN
-    return sum(flags[1:], flags[0])
+        if dtype is not None and is_floating_dtype(dtype) and np.size(x):
+            x = jnp.asarray(x)
+            groups.setdefault((x.shape, np.dtype(x.dtype)), []).append(x)
+    total = jnp.zeros((), jnp.float32)
+    track_max = multiplier is not None
+    for (shape, _), xs in groups.items():
+        n = len(xs)
+        operands = [x * jnp.zeros((), x.dtype) for x in xs]
+        if track_max:
+            operands += [jnp.abs(x) for x in xs]
+        inits = [jnp.zeros((), x.dtype) for x in operands]
+
+        def reducer(a, b, n=n):
+            sums = [a[i] + b[i] for i in range(n)]
+            # max may drop NaNs on some backends: the sums above catch them.
+            return tuple(sums + [jnp.maximum(a[i], b[i]) for i in range(n, len(a))])
+
+        results = jax.lax.reduce(operands, inits, reducer, tuple(range(len(shape))))
+        for i, x in enumerate(xs):
+            total = total + results[i].astype(jnp.float32)
+            if track_max:
+                unscaled = (results[n + i] * multiplier).astype(x.dtype)
+                total = total + (unscaled * 0).astype(jnp.float32)
+    return total
 
 
 def all_finite(tree: Any) -> jax.Array:
     """A scalar bool array: True iff every floating leaf of ``tree`` is finite.
 
     Non-floating leaves are ignored; an empty tree (or ``None``) is finite.
-    Under jit each leaf is read once by a fused max-of-magnitude reduction
-    (no boolean mask per leaf), and the per-leaf scalars share one
-    ``isfinite`` test.
+    Under jit each leaf is read once by a fused ``sum(x * 0)`` reduction (no
+    boolean mask per leaf; same-shape leaves share one kernel), and the
+    per-leaf scalars share one ``isfinite`` test.
 
     >>> import jax.numpy as jnp
     >>> import jmp_policy

@@ -142,8 +142,7 @@ def loss_scaling(
         scale = state.loss_scale
         # Finiteness of the *unscaled* grads from one read of each scaled
         # gradient (see `_nonfinite_sum`); nothing gradient-sized is written.
-        inverse = None if isinstance(scale, NoOpLossScale) else 1 / scale.loss_scale
-        nonfinite = _nonfinite_sum(jax.tree_util.tree_leaves(grads), inverse)
+        nonfinite = _nonfinite_sum(jax.tree_util.tree_leaves(grads), _unscale_multiplier(scale))
         if axis_name is not None:
             # NaN propagates through the sum: one scalar collective.
             nonfinite = jax.lax.psum(nonfinite, axis_name)
@@ -184,6 +183,23 @@ def loss_scaling(
         return jax.lax.cond(grads_finite, apply_inner, skip, grads, state, params, array_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _unscale_multiplier(scale: Any) -> Any:
+    """``1 / loss_scale`` if unscaling may turn finite grads into inf, else None.
+
+    Only a scale below 1 can: a `DynamicLossScale` with ``min_loss_scale >= 1``
+    or a `StaticLossScale` >= 1 never does, and then the finiteness check of
+    the scaled grads is exact for the unscaled ones, at no extra cost.
+    """
+    if isinstance(scale, NoOpLossScale):
+        return None
+    if isinstance(scale, DynamicLossScale) and scale.min_loss_scale >= 1:
+        return None
+    if isinstance(scale, StaticLossScale) and not isinstance(scale.loss_scale, jax.core.Tracer):
+        if scale.loss_scale >= 1:
+            return None
+    return 1 / scale.loss_scale
 
 
 def _keep(inner_state: Any, applied_shape: Any) -> Any:

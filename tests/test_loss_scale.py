@@ -255,6 +255,22 @@ def test_all_finite_detects_each_kind_of_non_finite(dtype, bad):
     assert not bool(jax.jit(jmp_policy.all_finite)(broken))
 
 
+def test_all_finite_catches_a_single_nan_in_large_leaves():
+    # Large arrays take XLA CPU's vectorised reduction path, whose max drops NaNs:
+    # a max-based check misses some of these; the sum of x * 0 cannot.
+    tree = {"a": jnp.ones((3, 256, 128)), "b": [jnp.ones((256, 128)) for _ in range(3)],
+            "c": jnp.ones((1000, 64), jnp.bfloat16)}
+    check = jax.jit(jmp_policy.all_finite)
+    assert bool(check(tree))
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    for i, leaf in enumerate(leaves):
+        for bad in (np.nan, np.inf, -np.inf):
+            for index in ((0,) * leaf.ndim, tuple(d - 1 for d in leaf.shape), tuple(d // 2 for d in leaf.shape)):
+                broken = list(leaves)
+                broken[i] = leaf.at[index].set(bad)
+                assert not bool(check(jax.tree_util.tree_unflatten(treedef, broken))), (i, bad, index)
+
+
 def test_all_finite_edge_cases():
     assert bool(jmp_policy.all_finite(None)) and bool(jmp_policy.all_finite({}))
     assert bool(jmp_policy.all_finite({"step": jnp.int32(3), "mask": jnp.array([True])}))
