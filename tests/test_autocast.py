@@ -479,8 +479,9 @@ def test_traces_once_per_signature_and_keeps_static_leaves():
         f(jnp.ones(3), {"mode": "scale", "scale": 2.0})
     assert len(calls) == 1
     f(jnp.ones(4), {"mode": "scale", "scale": 2.0})
-    f(jnp.ones(4), {"mode": "other", "scale": 2.0})
+    out = f(jnp.ones(4), cfg={"mode": "other", "scale": 2.0})  # keyword arguments too
     assert len(calls) == 3
+    np.testing.assert_array_equal(out, np.ones(4, np.float16))
 
 
 def test_flax_linen_apply():
