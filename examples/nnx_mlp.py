@@ -129,8 +129,10 @@ def main(argv=None) -> None:
              str(r["skipped_steps"]), f"{r['final_loss_scale']:g}", ",".join(r["param_dtypes"]))
             for r in results]
     widths = [max(len(x[i]) for x in rows + [header]) for i in range(len(header))]
-    for row in [header] + rows:
+    for n, row in enumerate([header] + rows):
         print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+        if n == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:

@@ -241,8 +241,10 @@ def main(argv=None) -> None:
              "n/a" if r["step_memory_bytes"] is None else f"{r['step_memory_bytes'] / 2**20:.1f} MiB")
             for r in results]
     widths = [max(len(x[i]) for x in rows + [header]) for i in range(len(header))]
-    for row in [header] + rows:
+    for n, row in enumerate([header] + rows):
         print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+        if n == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
