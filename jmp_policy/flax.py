@@ -186,7 +186,12 @@ class ModulePolicy:
     every other module runs exactly as constructed.
 
     Interception goes through ``flax.linen.intercept_methods``, whose interceptor
-    stack is thread-local: a ``with`` block affects only its own thread.
+    stack is thread-local: a ``with`` block affects only its own thread. It
+    reaches into lifted transforms (``nn.remat``, ``nn.scan``, ``nn.vmap``...);
+    inside ``nn.scan`` the carry must keep its dtype, so a module that ends a
+    scanned block should get an output dtype equal to its input dtype (e.g.
+    ``Policy("float32", "float32", "bfloat16")`` for a float32 LayerNorm in a
+    bfloat16 block).
     Parameters that already exist are not converted; ``param_dtype`` matters when
     they are created (``init``).
     """

@@ -157,6 +157,49 @@ def test_module_policy_under_jit_and_grad_keeps_float32_param_grads(lm_vars):
     assert policies(lambda: LM().apply(lm_vars, jnp.ones((2, 8))))().dtype == BF16
 
 
+class _ScanBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.LayerNorm(dtype=jnp.bfloat16)(nn.Dense(8, dtype=jnp.bfloat16)(x)), None
+
+
+class _Lifted(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.remat(nn.Dense)(8, dtype=jnp.bfloat16)(x)
+        x, _ = nn.scan(_ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                       length=2)()(x, None)
+        return x
+
+
+def test_module_policy_reaches_into_remat_and_scan():
+    model = _Lifted()
+    x = jnp.ones((2, 8))
+    variables = model.init(jax.random.key(0), x)
+    layernorm_f32 = jmp_policy.Policy("float32", "float32", "bfloat16")  # keeps the scan carry bf16
+    calls = []
+
+    def spy(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        if context.method_name == "__call__" and hasattr(context.module, "dtype"):
+            calls.append((type(context.module).__name__, np.dtype(context.module.dtype), out.dtype))
+        return out
+
+    dense_f16 = jmp_policy.Policy("float32", "float16", "bfloat16")
+    with jf.module_policy({nn.LayerNorm: layernorm_f32, nn.Dense: dense_f16}), \
+            nn.intercept_methods(spy):  # innermost: sees the module as the policy set it
+        y = jax.jit(model.apply)(variables, x)
+    # Each module computed in its policy's dtype (LayerNorm in float32 inside scan,
+    # Dense in float16 inside remat and scan); the spy sees the raw results.
+    assert set(calls) == {("LayerNorm", F32, F32), ("Dense", F16, F16)}
+    assert len(calls) >= 3  # the remat Dense, and the Dense and LayerNorm in the scan body
+    assert y.dtype == BF16  # results handed on in the policies' output dtype
+    calls.clear()
+    with jf.module_policy({"CheckpointDense_0": dense_f16}), nn.intercept_methods(spy):
+        model.apply(variables, x)  # a path rule reaches the remat-wrapped module only
+    assert set(calls) == {("Dense", F16, F16), ("Dense", BF16, BF16), ("LayerNorm", BF16, BF16)}
+
+
 def test_module_policy_is_reusable_and_reentrant(lm_vars):
     x = jnp.ones((2, 8))
     policies = jf.module_policy({"logits": "float32"})
