@@ -169,20 +169,56 @@ def loss_scaling(
                 skipped_steps=state.skipped_steps,
             )
 
+        operands = (grads, state, params, array_args)
+        applied = jax.eval_shape(apply_inner, *operands)
+
         def skip(grads, state, params, array_args):
-            updates_shape, applied = jax.eval_shape(apply_inner, grads, state, params, array_args)
-            zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), updates_shape)
+            updates_shape, state_shape = applied
+            # zeros_like of the ShapeDtypeStructs keeps explicit shardings too.
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, updates_shape)
             skipped = state.skipped_steps
             return zeros, LossScalingState(
                 loss_scale=scale.adjust(jnp.asarray(False)),
-                inner_state=_keep(state.inner_state, applied.inner_state),
+                inner_state=_keep(state.inner_state, state_shape.inner_state),
                 grads_finite=jnp.asarray(False),
                 skipped_steps=jnp.where(skipped < _INT32_MAX, skipped + 1, skipped),
             )
 
-        return jax.lax.cond(grads_finite, apply_inner, skip, grads, state, params, array_args)
+        # Under shard_map both branches must also agree on which values vary
+        # across devices (e.g. zeros vs. updates computed from sharded grads).
+        target = _union_varying(applied, jax.eval_shape(skip, *operands))
+        return jax.lax.cond(
+            grads_finite,
+            lambda *args: _make_varying(apply_inner(*args), target),
+            lambda *args: _make_varying(skip(*args), target),
+            *operands,
+        )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _varying_axes(aval: Any) -> frozenset:
+    """The mesh axes a value varies over inside ``shard_map`` (empty elsewhere)."""
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))  # older JAX
+
+
+def _union_varying(a: Any, b: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x, y: _varying_axes(x) | _varying_axes(y), a, b)
+
+
+def _make_varying(tree: Any, target: Any) -> Any:
+    def cast(x, axes):
+        missing = tuple(sorted(axes - _varying_axes(jax.typeof(x))))
+        if not missing:
+            return x
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(x, missing, to="varying")
+        return jax.lax.pvary(x, missing)  # older JAX
+
+    return jax.tree_util.tree_map(cast, tree, target)
 
 
 def _unscale_multiplier(scale: Any) -> Any:

@@ -329,3 +329,26 @@ def test_spec_train_step_trains_in_float16():
     assert losses[-1] < losses[0]
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
     assert bool(jmp_policy.all_finite((params, opt_state)))
+
+
+def test_axis_name_under_shard_map_types_both_branches_alike():
+    # One device is enough to exercise shard_map's varying-value typing: zero
+    # updates and kept state must vary over the axis like computed ones do.
+    mesh = jax.make_mesh((1,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = jax.sharding.PartitionSpec
+    tx = jmp_policy.loss_scaling(optax.sgd(0.1), DynamicLossScale(8.0), axis_name="batch")
+    params = jnp.ones((2, 3))
+    state = tx.init(params)
+
+    @jax.jit
+    def step(grads, state, params):
+        # Per-device grads and params, replicated optimizer state: the psum-ed
+        # finiteness keeps the loss scale and counters replicated.
+        return jax.shard_map(tx.update, mesh=mesh, in_specs=(spec("batch"), spec(), spec("batch")),
+                             out_specs=(spec("batch"), spec()), check_vma=True)(grads, state, params)
+
+    updates, state = step(jnp.full((2, 3), 8.0), state, params)
+    np.testing.assert_allclose(updates, np.full((2, 3), -0.1))
+    updates, state = step(jnp.full((2, 3), 8.0).at[0, 0].set(np.inf), state, params)
+    np.testing.assert_array_equal(updates, np.zeros((2, 3)))
+    assert int(state.skipped_steps) == 1 and float(state.loss_scale.loss_scale) == 4.0
