@@ -38,7 +38,6 @@ and reading the scale back with `optimizer_loss_scale`.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import threading
 from typing import Any, Callable, Iterable, Mapping, Optional, Tuple, Union
@@ -95,11 +94,15 @@ def module_kwargs(policy: PolicyLike = None) -> dict:
 # ---------------------------------------------------------------------------
 # Linen: per-module policies through method interception.
 # ---------------------------------------------------------------------------
-def _compile_rules(rules: Rules) -> Tuple[Tuple[RuleKey, Any, Policy], ...]:
+def _compile_rules(rules: Rules, api: str) -> Tuple[Tuple[RuleKey, Any, Policy], ...]:
+    """Validates ``(key, policy)`` rules for `module_policy` (linen) or `set_nnx_policy` (NNX)."""
+    base, other, other_api = ((nn.Module, nnx.Module, "set_nnx_policy") if api == "module_policy"
+                              else (nnx.Module, nn.Module, "module_policy"))
+    lib = {nn.Module: "flax.linen", nnx.Module: "flax.nnx"}
     if isinstance(rules, (str, bytes)) or rules is None:
         raise TypeError(
-            "module_policy rules must be a mapping or a sequence of (key, policy) pairs, where a "
-            f"key is a flax.linen.Module subclass or a path regex; got {rules!r}.")
+            f"{api} rules must be a mapping or a sequence of (key, policy) pairs, where a "
+            f"key is a {lib[base]}.Module subclass or a path regex; got {rules!r}.")
     items = rules.items() if isinstance(rules, Mapping) else rules
     compiled = []
     for n, item in enumerate(items):
@@ -107,26 +110,30 @@ def _compile_rules(rules: Rules) -> Tuple[Tuple[RuleKey, Any, Policy], ...]:
             key, policy = item
         except (TypeError, ValueError):
             raise TypeError(
-                f"module_policy rule #{n} is {item!r}; each rule must be a (key, policy) pair."
+                f"{api} rule #{n} is {item!r}; each rule must be a (key, policy) pair."
             ) from None
         if isinstance(key, str):
             try:
                 matcher: Any = re.compile(key)
             except re.error as e:
                 raise ValueError(
-                    f"module_policy rule #{n}: {key!r} is not a valid regular expression ({e}); "
+                    f"{api} rule #{n}: {key!r} is not a valid regular expression ({e}); "
                     "string keys are Python `re` patterns searched in module paths such as "
                     "'Block_0/LayerNorm_0'.") from None
-        elif isinstance(key, type) and issubclass(key, (nn.Module, nnx.Module)):
+        elif isinstance(key, type) and issubclass(key, base):
             matcher = key
+        elif isinstance(key, type) and issubclass(key, other):
+            raise TypeError(
+                f"{api} rule #{n}: {key.__name__} is a {lib[other]} module, which {api} "
+                f"never sees; use {other_api} for those.")
         else:
             raise TypeError(
-                f"module_policy rule #{n}: the key must be a Module subclass (e.g. nn.LayerNorm) "
-                f"or a path regex string, got {key!r}.")
+                f"{api} rule #{n}: the key must be a {lib[base]}.Module subclass "
+                f"(e.g. LayerNorm) or a path regex string, got {key!r}.")
         try:
             compiled.append((key, matcher, as_policy(policy)))
         except (TypeError, ValueError) as e:
-            raise type(e)(f"module_policy rule #{n} ({key!r}): {e}") from None
+            raise type(e)(f"{api} rule #{n} ({key!r}): {e}") from None
     return tuple(compiled)
 
 
@@ -197,7 +204,7 @@ class ModulePolicy:
     """
 
     def __init__(self, rules: Rules, default: PolicyLike = None):
-        self._rules = _compile_rules(rules)
+        self._rules = _compile_rules(rules, "module_policy")
         self._default = None if default is None else as_policy(default)
         self._active = threading.local()
 
@@ -309,7 +316,7 @@ def set_nnx_policy(model: nnx.Module, policy: PolicyLike = None, rules: Rules = 
     >>> model.layers[0].dtype, model.layers[1].dtype
     (dtype(bfloat16), dtype('float32'))
     """
-    compiled = _compile_rules(rules)
+    compiled = _compile_rules(rules, "set_nnx_policy")
     default = as_policy(policy)
     for path, module in nnx.iter_modules(model):
         chosen = _match(compiled, default, module, _path_str(path))

@@ -244,8 +244,12 @@ def test_module_policy_is_thread_local():
 def test_module_policy_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"rule #0: '\(' is not a valid regular expression"):
         jf.module_policy({"(": "float32"})
-    with pytest.raises(TypeError, match="Module subclass .* or a path regex"):
+    with pytest.raises(TypeError, match=r"flax\.linen\.Module subclass .* or a path regex"):
         jf.module_policy({int: "float32"})
+    with pytest.raises(TypeError, match="LayerNorm is a flax.nnx.* use set_nnx_policy"):
+        jf.module_policy({nnx.LayerNorm: "float32"})
+    with pytest.raises(TypeError, match="LayerNorm is a flax.linen.* use module_policy"):
+        jf.set_nnx_policy(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), rules={nn.LayerNorm: "float32"})
     with pytest.raises(ValueError, match=r"rule #1 .*Unknown dtype"):
         jf.module_policy([(nn.Dense, "float32"), (nn.LayerNorm, "float33")])
     with pytest.raises(TypeError, match=r"\(key, policy\) pair"):
