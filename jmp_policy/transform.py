@@ -27,7 +27,6 @@ Array([-0.2, -0.2, -0.2], dtype=float32)
 
 from __future__ import annotations
 
-import functools
 import numbers
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
@@ -148,22 +147,23 @@ def loss_scaling(
             nonfinite = jax.lax.psum(nonfinite, axis_name)
         grads_finite = jnp.isfinite(nonfinite)
 
-        # The predicate's only consumer is the cond: the bookkeeping below
-        # happens inside the branches, where the predicate is a constant, so
-        # XLA does not copy the finiteness computation into several fusions.
         # Array-valued extra arguments are cond operands; anything else (Python
         # numbers, strings, callables) is closed over, as optax.MultiSteps does.
         array_args = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
         static_args = {k: v for k, v in extra_args.items() if k not in array_args}
 
+        # The predicate's only consumer is the cond: the bookkeeping happens
+        # inside the branches, where the predicate is a constant, so XLA does
+        # not copy the finiteness computation into several fusions.
         def apply_inner(grads, state, params, array_args):
             # Unscaling here (not before the cond) lets XLA fuse the multiply
             # into the optimizer's first elementwise op instead of writing it out.
             updates, inner_state = inner.update(
-                scale.unscale(grads), state.inner_state, params, **array_args, **static_args
+                state.loss_scale.unscale(grads), state.inner_state, params,
+                **array_args, **static_args,
             )
             return updates, LossScalingState(
-                loss_scale=scale.adjust(jnp.asarray(True)),
+                loss_scale=state.loss_scale.adjust(jnp.asarray(True)),
                 inner_state=inner_state,
                 grads_finite=jnp.asarray(True),
                 skipped_steps=state.skipped_steps,
@@ -178,7 +178,7 @@ def loss_scaling(
             zeros = jax.tree_util.tree_map(jnp.zeros_like, updates_shape)
             skipped = state.skipped_steps
             return zeros, LossScalingState(
-                loss_scale=scale.adjust(jnp.asarray(False)),
+                loss_scale=state.loss_scale.adjust(jnp.asarray(False)),
                 inner_state=_keep(state.inner_state, state_shape.inner_state),
                 grads_finite=jnp.asarray(False),
                 skipped_steps=jnp.where(skipped < _INT32_MAX, skipped + 1, skipped),
