@@ -311,14 +311,9 @@ class DynamicLossScale:
         return self._replace_leaves(loss_scale, counter)
 
     def _replace_leaves(self, loss_scale: Any, counter: Any) -> "DynamicLossScale":
-        # Bypasses __init__: leaves may be tracers or the placeholders JAX uses
-        # when it rebuilds pytrees, and the static settings are already valid.
-        new = object.__new__(DynamicLossScale)
-        for field in dataclasses.fields(self):
-            object.__setattr__(new, field.name, getattr(self, field.name))
-        object.__setattr__(new, "loss_scale", loss_scale)
-        object.__setattr__(new, "counter", counter)
-        return new
+        # Through the pytree machinery, not __init__: the settings are already
+        # validated and the new leaves are usually tracers.
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(self), [loss_scale, counter])
 
 
 def _register_leafless(cls: type) -> None:
