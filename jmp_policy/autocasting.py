@@ -793,18 +793,28 @@ def autocast(
             key = None
         entry = cache.get(key) if key is not None else None
         if entry is None:
-            entry = _trace_fn(fn, leaves, treedef, dynamic, dyn_values)
-            if key is not None and not any(isinstance(c, jax.core.Tracer) for c in entry[0].consts):
+            closed, out_tree = _trace_fn(fn, leaves, treedef, dynamic, dyn_values)
+            run = functools.partial(_run, closed, policy, parsed)
+            entry = (closed, out_tree, run, jax.jit(run))
+            if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
                 cache[key] = entry
-        closed, out_tree = entry
-        compute, output = _call_dtypes(policy, dyn_values)
-        ctx = _Context(compute=compute, rules=parsed)
-        outs = _eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn_values)
-        if output is not None:
-            outs = [_cast(o, output) if _floating(o) else o for o in outs]
+            else:
+                entry = (closed, out_tree, run, run)  # one-off trace: no point compiling it
+        _, out_tree, run, jitted = entry
+        # Called eagerly, the jaxpr runs as one compiled computation: the same values as
+        # op by op (fn's Python already ran when it was traced), without a compile per op.
+        eager = not any(isinstance(x, jax.core.Tracer) for x in dyn_values)
+        outs = jitted(*dyn_values) if eager else run(*dyn_values)
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return wrapped
+
+
+def _run(closed: ClosedJaxpr, policy: Policy, rules: _Rules, *values: Any) -> list:
+    compute, output = _call_dtypes(policy, values)
+    ctx = _Context(compute=compute, rules=rules)
+    outs = _eval_jaxpr(ctx, closed.jaxpr, closed.consts, values)
+    return [_cast(o, output) if _floating(o) else o for o in outs]
 
 
 def _trace_fn(fn, leaves, treedef, dynamic, dyn_values):

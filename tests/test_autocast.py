@@ -294,6 +294,16 @@ def test_policy_is_resolved_at_construction_and_validated():
         autocast(3, "mixed_float16")
 
 
+def test_deprecated_infer_policy_computes_in_the_first_floating_input_dtype():
+    with pytest.warns(DeprecationWarning):
+        policy = jmp_policy.Policy("infer")
+    f = autocast(lambda x, w: x @ w, policy)
+    x, w = jnp.ones((2, 2), jnp.bfloat16), jnp.ones((2, 2))
+    (dot,) = find(f, x, w, name="dot_general")
+    assert in_dtypes(dot) == [BF16, BF16]
+    assert f(x, w).dtype == BF16
+
+
 # --- unknown primitives -------------------------------------------------------------------
 
 def test_unknown_primitive_runs_at_traced_dtypes_and_warns_once_per_trace():
@@ -531,6 +541,7 @@ def layer_norm(x, g, b):
     return (x - mu) * lax.rsqrt(var + 1e-5) * g + b
 
 
+@jax.jit
 def init_params(key):
     ks = jax.random.split(key, 9)
     n = lambda k, shape, scale: jax.random.normal(k, shape) * scale
@@ -566,6 +577,7 @@ def loss_fn(p, tokens, y):
     return optax.softmax_cross_entropy_with_integer_labels(model(p, tokens), y).mean()
 
 
+@jax.jit
 def make_data(key):
     k1, k2, k3 = jax.random.split(key, 3)
     tokens = jax.random.randint(k1, (B, T), 0, V)
@@ -587,7 +599,7 @@ def test_transformer_block_precision_per_operation():
         assert [e for e in all_eqns if e.primitive.name == name]
         assert all(out_dtype(e) == F32 for e in all_eqns if e.primitive.name == name), name
     out = f(p, x)
-    want = block(p, x)
+    want = jax.jit(block)(p, x)
     assert out.dtype == F16
     rel = jnp.linalg.norm(out.astype(jnp.float32) - want) / jnp.linalg.norm(want)
     assert rel < 1e-2, rel
@@ -596,7 +608,7 @@ def test_transformer_block_precision_per_operation():
     lf = autocast(loss_fn, "mixed_float16")
     log = [e for e in eqns(jax.make_jaxpr(lf)(p, tokens, y)) if e.primitive.name == "log"]
     assert log and all(out_dtype(e) == F32 for e in log)
-    close(lf(p, tokens, y), loss_fn(p, tokens, y), rtol=1e-2, atol=0)
+    close(lf(p, tokens, y), jax.jit(loss_fn)(p, tokens, y), rtol=1e-2, atol=0)
 
 
 def train(kind, steps=300, lr=3e-3):
@@ -608,8 +620,8 @@ def train(kind, steps=300, lr=3e-3):
     tx = jmp_policy.loss_scaling(optax.adam(lr), "dynamic") if scaled else optax.adam(lr)
     lf = autocast(loss_fn, "mixed_float16") if scaled else loss_fn
 
-    @jax.jit
-    def step(params, state):
+    def step(_, carry):
+        params, state = carry
         if scaled:
             scale = jmp_policy.get_loss_scale(state)
             loss, grads = jmp_policy.scaled_value_and_grad(lf)(scale, params, tokens, y)
@@ -618,9 +630,9 @@ def train(kind, steps=300, lr=3e-3):
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    state = tx.init(params)
-    for _ in range(steps):
-        params, state = step(params, state)
+    # All steps in one compiled loop: no per-step dispatch.
+    train_all = jax.jit(lambda p, s: lax.fori_loop(0, steps, step, (p, s)))
+    params, state = train_all(params, tx.init(params))
     f32_params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
     return float(loss_fn(f32_params, tokens, y))
 
