@@ -7,7 +7,8 @@ precision from three classes:
 ``"matmul"``
     ``dot_general``, ``conv_general_dilated``, ``ragged_dot_general``. Floating
     inputs are cast to the policy's compute dtype and the product accumulates
-    in float32 (``preferred_element_type``), so the result is float32.
+    in float32 (``preferred_element_type``), so the result is float32. The
+    products of the backward pass take half-precision operands too.
 ``"float32"``
     Numerically sensitive primitives (see `FLOAT32_PRIMITIVES`). Floating
     inputs are widened to at least float32 (float64 stays float64).
@@ -25,7 +26,8 @@ Higher-order primitives are rewritten, not inlined, so they keep their own
 semantics: a nested ``jit`` keeps its shardings and name, ``custom_jvp`` /
 ``custom_vjp`` functions keep their derivative rules, ``scan`` /
 ``while_loop`` carries are given a stable dtype, ``cond`` branches agree on
-output dtypes, ``checkpoint`` keeps its policy.
+output dtypes, ``checkpoint`` keeps its policy, ``shard_map`` bodies are
+autocast with their collectives.
 
 A primitive that autocast does not know, and that has floating inputs, is
 evaluated at the dtypes it was traced with, with one `AutocastWarning` per
