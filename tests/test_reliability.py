@@ -163,6 +163,21 @@ def test_orbax_round_trip_and_bit_identical_resume(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("loss_scale", [128.0, None], ids=["static", "none"])
+def test_orbax_round_trip_of_leafless_loss_scales(tmp_path, loss_scale):
+    tx = jmp_policy.loss_scaling(optax.sgd(0.1, momentum=0.9), loss_scale)
+    params = {"w": jnp.arange(3.0)}
+    state = tx.update({"w": jnp.ones(3)}, tx.init(params), params)[1]
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", state)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "ckpt", jax.eval_shape(lambda: state))
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(state)
+    assert jmp_policy.get_loss_scale(restored) == jmp_policy.get_loss_scale(state)
+    for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(state)):
+        np.testing.assert_array_equal(a, b)
+
+
 # ---------------------------------------------------------------------------
 # Properties of the dynamic scale.
 
@@ -191,6 +206,35 @@ def test_scale_stays_finite_and_within_bounds(config, finite_steps):
         assert ls.loss_scale.dtype == jnp.float32
         assert np.isfinite(value) and low <= value <= high
         assert 0 <= int(ls.counter) < config["period"]
+
+
+_SEQUENCE_TX = jmp_policy.loss_scaling(
+    optax.adam(1e-2), DynamicLossScale(2.0**4, period=2, min_loss_scale=0.25, max_loss_scale=2.0**6))
+
+
+@jax.jit
+def _sequence_step(params, state, finite):
+    grads = {"w": jnp.where(finite, jnp.ones(4), jnp.nan), "b": jnp.ones(2, jnp.bfloat16)}
+    updates, new_state = _SEQUENCE_TX.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    return params, new_state, tree_all_finite_elementwise((params, new_state))
+
+
+@settings(max_examples=25, deadline=None)
+@given(finite_steps=st.lists(st.booleans(), min_size=1, max_size=40))
+def test_transform_over_random_finite_non_finite_sequences(finite_steps):
+    params = {"w": jnp.ones(4), "b": jnp.zeros(2, jnp.bfloat16)}
+    state = _SEQUENCE_TX.init(params)
+    for finite in finite_steps:
+        previous = jax.device_get(state.inner_state)
+        params, state, healthy = _sequence_step(params, state, finite)
+        scale = float(state.loss_scale.loss_scale)
+        assert bool(healthy) and np.isfinite(scale) and 0.25 <= scale <= 2.0**6
+        if not finite:  # a skipped step leaves the inner state bit-for-bit unchanged
+            for a, b in zip(jax.tree_util.tree_leaves(state.inner_state), jax.tree_util.tree_leaves(previous)):
+                np.testing.assert_array_equal(a, b)
+    assert int(state.skipped_steps) == finite_steps.count(False)
+    assert int(state.inner_state[0].count) == finite_steps.count(True)
 
 
 # ---------------------------------------------------------------------------
