@@ -224,6 +224,17 @@ def build_variants(workload: str, loss_fn, skipped: list[str]) -> list[Variant]:
 
     variants.append(Variant("jmp_policy.loss_scaling(adam)", ours_step, tx.init))
 
+    if hasattr(tx, "update_and_apply"):  # the fused form, where available
+        def fused_step(params, state, batch):
+            if loss_fn is None:
+                grads = batch
+            else:
+                scale = jmp_policy.get_loss_scale(state)
+                _, grads = jmp_policy.scaled_value_and_grad(loss_fn)(scale, params, batch)
+            return tx.update_and_apply(grads, state, params)
+
+        variants.append(Variant("jmp_policy ... .update_and_apply", fused_step, tx.init))
+
     # 3. DeepMind jmp, README recipe.
     jmp = _optional("jmp")
     if isinstance(jmp, Exception):
