@@ -106,7 +106,7 @@ def train(policy: Any, *, steps: int = 500, seed: int = 0, batch_size: int = 64,
         "skipped_steps": int(jmp_policy.flax.optimizer_skipped_steps(optimizer)),
         "final_loss_scale": float(scales[-1]),
         "param_dtypes": sorted({str(p.dtype) for p in jax.tree.leaves(params)}),
-        "params_finite": bool(jmp_policy.all_finite(params)),
+        "params_finite": bool(jax.jit(jmp_policy.all_finite)(params)),
         "losses": [float(l) for l in losses],
         "loss_scales": [float(s) for s in scales],
     }

@@ -73,6 +73,11 @@ def _zero_fraction(grads: Any) -> jax.Array:
     return zeros / sum(g.size for g in leaves)
 
 
+@jax.jit
+def _distance(a: Any, b: Any) -> jax.Array:
+    return optax.tree_utils.tree_norm(optax.tree_utils.tree_sub(a, b))
+
+
 def _build(policy: jmp_policy.Policy, learning_rate: float, loss_scale: Any, loss_weight: float):
     """The model, optimizer and jitted train/eval steps of one configuration."""
     model = CNN(policy)
@@ -130,8 +135,8 @@ def train(
         model, tx, train_step, accuracy = _build_cached(policy, learning_rate, loss_scale, loss_weight)
     except TypeError:  # an unhashable loss-scale object: build afresh
         model, tx, train_step, accuracy = _build(policy, learning_rate, loss_scale, loss_weight)
-    params = model.init(jax.random.key(seed), jnp.zeros((1, 8, 8, 1)))["params"]
-    opt_state = tx.init(params)
+    params = jax.jit(model.init)(jax.random.key(seed), jnp.zeros((1, 8, 8, 1)))["params"]
+    opt_state = jax.jit(tx.init)(params)
     initial_params = params
 
     rng = np.random.RandomState(seed)
@@ -142,7 +147,12 @@ def train(
         idx = order[i * batch_size:(i + 1) * batch_size]
         return x_train[idx], y_train[idx]
 
-    step_bytes = _step_bytes(train_step, params, opt_state, *batch(0)) if measure_memory else None
+    step_bytes = None
+    if measure_memory:
+        # Compile ahead of time to read XLA's memory account, and train with that
+        # executable (calling the jitted function would compile a second time).
+        train_step = train_step.lower(params, opt_state, *batch(0)).compile()
+        step_bytes = _step_bytes(train_step)
 
     losses, scales, zero_fractions = [], [], []
     bar = range(steps)
@@ -173,18 +183,17 @@ def train(
         "step_memory_bytes": step_bytes,
         "peak_device_bytes": _peak_device_bytes(),
         "final_loss": float(np.mean(losses[-20:])),
-        "params_finite": bool(jmp_policy.all_finite(params)),
-        "param_change": float(optax.tree_utils.tree_norm(
-            optax.tree_utils.tree_sub(params, initial_params))),
+        "params_finite": bool(jax.jit(jmp_policy.all_finite)(params)),
+        "param_change": float(_distance(params, initial_params)),
         "zero_grad_fraction": float(np.mean([float(z) for z in zero_fractions])),
         "losses": losses,
         "loss_scales": [float(s) for s in scales],
     }
 
 
-def _step_bytes(jitted, *args) -> Optional[int]:
+def _step_bytes(compiled) -> Optional[int]:
     """XLA's own account of one step's memory: arguments + outputs + temporaries."""
-    memory = jitted.lower(*args).compile().memory_analysis()
+    memory = compiled.memory_analysis()
     if memory is None:
         return None
     return int(memory.argument_size_in_bytes + memory.output_size_in_bytes

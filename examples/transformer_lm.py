@@ -149,7 +149,7 @@ def make_train_step(policy: Any, config: Config = Config(), loss_scale: Any = "p
 
     def init(seed: int = 0):
         params = init_params(jax.random.key(seed))
-        return params, tx.init(params)
+        return params, jax.jit(tx.init)(params)
 
     @jax.jit
     def train_step(params, opt_state, tokens):
@@ -182,8 +182,11 @@ def train(policy: Any, *, steps: int = 300, seed: int = 0, config: Config = Conf
 
     step_bytes = None
     if measure_memory:
-        memory = train_step.lower(params, opt_state, next(batches(train_text, config, 0))) \
-            .compile().memory_analysis()
+        # Compile ahead of time to read XLA's memory account, and train with that
+        # executable (calling the jitted function would compile a second time).
+        train_step = train_step.lower(params, opt_state, next(batches(train_text, config, 0))) \
+            .compile()
+        memory = train_step.memory_analysis()
         if memory is not None:
             step_bytes = int(memory.argument_size_in_bytes + memory.output_size_in_bytes
                              + memory.temp_size_in_bytes)
@@ -211,7 +214,7 @@ def train(policy: Any, *, steps: int = 300, seed: int = 0, config: Config = Conf
         "skipped_steps": int(optax.tree_utils.tree_get(opt_state, "skipped_steps")),
         "final_loss_scale": float(scales[-1]),
         "step_memory_bytes": step_bytes,
-        "params_finite": bool(jmp_policy.all_finite(params)),
+        "params_finite": bool(jax.jit(jmp_policy.all_finite)(params)),
         "losses": [float(l) for l in losses],
         "loss_scales": [float(s) for s in scales],
     }
