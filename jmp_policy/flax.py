@@ -200,7 +200,9 @@ class ModulePolicy:
     ``Policy("float32", "float32", "bfloat16")`` for a float32 LayerNorm in a
     bfloat16 block).
     Parameters that already exist are not converted; ``param_dtype`` matters when
-    they are created (``init``).
+    they are created (``init``). Nested contexts compose like nested
+    ``policy.wrap`` calls: the innermost matching policy sets the module's dtypes,
+    and each level casts the results on the way out.
     """
 
     def __init__(self, rules: Rules, default: PolicyLike = None):
@@ -235,9 +237,11 @@ class ModulePolicy:
         overrides = _dtype_overrides(module, policy)
         saved = {name: getattr(module, name) for name in overrides}
         # Linen modules are frozen dataclasses; the bound instance seen here is a
-        # private clone made by this init/apply call, so overriding its fields for
-        # the duration of the call cannot leak into the user's module or another
-        # thread. Nested calls on the same module save and restore in stack order.
+        # clone made by init/apply (or .bind), never the user's module, so
+        # overriding its fields for the duration of the call leaks neither into
+        # the user's module nor into other init/apply calls. (A module bound with
+        # .bind() and called from two threads at once would share the override.)
+        # Nested calls on the same module save and restore in stack order.
         for name, value in overrides.items():
             object.__setattr__(module, name, value)
         try:
