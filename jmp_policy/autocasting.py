@@ -460,7 +460,11 @@ def _matmul(eqn: Any, compute: np.dtype, params: dict, lhs: Any, rhs: Any) -> An
 
 def _bind(eqn: Any, invals: Sequence[Any], params: Optional[dict] = None) -> Any:
     params = eqn.params if params is None else params
-    return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+    bind_params = eqn.primitive.get_bind_params(params)
+    if isinstance(bind_params, tuple):  # jax < 0.8 returns (subfuns, params)
+        subfuns, bind_params = bind_params
+        return eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return eqn.primitive.bind(*invals, **bind_params)
 
 
 def _at_traced_dtypes(eqn: Any, invals: Sequence[Any]) -> list:
