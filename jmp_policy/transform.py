@@ -202,7 +202,7 @@ def _varying_axes(aval: Any) -> frozenset:
     manual = getattr(aval, "manual_axis_type", None)
     if manual is not None:
         return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))  # older JAX
+    return frozenset(getattr(aval, "vma", None) or ())  # older JAX (None outside shard_map)
 
 
 def _union_varying(a: Any, b: Any) -> Any:
