@@ -82,15 +82,17 @@ def state_summary(state):
 
 
 def hlo_collectives(hlo_text):
-    """(op, element count) of every collective in optimized HLO text."""
+    """(op, largest result element count) of every collective in optimized HLO text.
+
+    A result may be a tuple (XLA combines collectives); its largest member counts.
+    """
     found = []
-    pattern = re.compile(
-        r"=\s*(?:\(?)([a-z0-9]+)\[([0-9,]*)\][^=]*?\s"
-        r"(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
-        r"(?:-start)?\(")
+    ops = "all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter"
+    pattern = re.compile(rf"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s({ops})(?:-start)?\(", re.M)
     for m in pattern.finditer(hlo_text):
-        dims = [int(d) for d in m.group(2).split(",") if d]
-        found.append((m.group(3), int(np.prod(dims)) if dims else 1))
+        sizes = [int(np.prod([int(d) for d in dims.split(",") if d]))
+                 for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", m.group(1))]
+        found.append((m.group(2), max(sizes, default=1)))
     return found
 
 
