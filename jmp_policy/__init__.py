@@ -38,11 +38,12 @@ from jmp_policy.transform import (
     loss_scaling,
     scaled_value_and_grad,
 )
-from jmp_policy.autocasting import autocast
+from jmp_policy.autocasting import AutocastWarning, autocast
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutocastWarning",
     "DynamicLossScale",
     "LossScale",
     "LossScalingState",
