@@ -126,13 +126,16 @@ def loss_scaling(
 
     def init_fn(params):
         return LossScalingState(
-            loss_scale=initial_scale,
+            # A copy per init: otherwise every state this transformation makes
+            # shares the closed-over scale's buffers, and donating one state
+            # deletes the loss scale of all the others.
+            loss_scale=jax.tree_util.tree_map(jnp.array, initial_scale),
             inner_state=inner.init(params),
             grads_finite=jnp.asarray(True),
             skipped_steps=jnp.zeros((), jnp.int32),
         )
 
-    def update_fn(grads, state, params=None, **extra_args):
+    def step(grads, state, params, extra_args, apply_to_params):
         if not isinstance(state, LossScalingState):
             raise TypeError(
                 f"loss_scaling.update expected a LossScalingState (from this "
@@ -187,6 +190,27 @@ def loss_scaling(
         # Under shard_map both branches must also agree on which values vary
         # across devices (e.g. zeros vs. updates computed from sharded grads).
         target = _union_varying(applied, jax.eval_shape(skip, *operands))
+        if apply_to_params:
+            # The parameter update happens inside the taken branch, so XLA
+            # fuses it with the optimizer's last elementwise op and the
+            # updates are never written out; the skip branch passes params
+            # through (in place when donated).
+            def finite_branch(*args):
+                updates, new_state = _make_varying(apply_inner(*args), target)
+                return optax.apply_updates(args[2], updates), new_state
+
+            def skip_branch(*args):
+                return args[2], _make_varying(skip(*args), target)[1]
+
+            # As for update: both branches must agree on varying axes (shard_map).
+            fused_target = _union_varying(
+                jax.eval_shape(finite_branch, *operands), jax.eval_shape(skip_branch, *operands))
+            return jax.lax.cond(
+                grads_finite,
+                lambda *args: _make_varying(finite_branch(*args), fused_target),
+                lambda *args: _make_varying(skip_branch(*args), fused_target),
+                *operands,
+            )
         return jax.lax.cond(
             grads_finite,
             lambda *args: _make_varying(apply_inner(*args), target),
@@ -194,7 +218,25 @@ def loss_scaling(
             *operands,
         )
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    def update_fn(grads, state, params=None, **extra_args):
+        return step(grads, state, params, extra_args, apply_to_params=False)
+
+    def update_and_apply(grads, state, params, **extra_args):
+        """``(optax.apply_updates(params, updates), new_state)`` in one skip.
+
+        Same result, bit for bit, as ``update`` followed by
+        ``optax.apply_updates``; with donated params and state it reads and
+        writes each parameter once (no updates tree is materialised).
+        """
+        return step(grads, state, params, extra_args, apply_to_params=True)
+
+    tx = _LossScaling(init_fn, update_fn)
+    tx.update_and_apply = update_and_apply
+    return tx
+
+
+class _LossScaling(optax.GradientTransformationExtraArgs):
+    """`loss_scaling`'s return type: an optax transformation plus ``update_and_apply``."""
 
 
 def _varying_axes(aval: Any) -> frozenset:

@@ -1,5 +1,8 @@
 """Tests for jmp_policy.transform: loss_scaling, get_loss_scale, scaled_value_and_grad."""
 
+import functools
+
+import chex
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -352,3 +355,44 @@ def test_axis_name_under_shard_map_types_both_branches_alike():
     updates, state = step(jnp.full((2, 3), 8.0).at[0, 0].set(np.inf), state, params)
     np.testing.assert_array_equal(updates, np.zeros((2, 3)))
     assert int(state.skipped_steps) == 1 and float(state.loss_scale.loss_scale) == 4.0
+
+
+def test_each_init_owns_its_loss_scale_buffers_under_donation():
+    tx = jmp_policy.loss_scaling(optax.sgd(0.1), "dynamic")
+    params = {"w": jnp.ones(3)}
+    s1, s2 = tx.init(params), tx.init(params)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step({"w": jnp.ones(3)}, s1, {"w": jnp.ones(3)})  # donates s1's buffers
+    assert float(jmp_policy.get_loss_scale(s2).loss_scale) == 2.0**15  # s2 untouched
+
+
+def test_update_and_apply_is_bit_identical_to_update_then_apply_updates():
+    tx = jmp_policy.loss_scaling(optax.adam(1e-2), jmp_policy.DynamicLossScale(2.0**4, period=2))
+    params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.zeros(3)}
+    grads_seq = [
+        {"w": jnp.full((2, 3), 3.0), "b": jnp.arange(3.0)},
+        {"w": jnp.full((2, 3), jnp.nan), "b": jnp.ones(3)},          # skipped
+        {"w": jnp.full((2, 3), -2.0), "b": jnp.array([jnp.inf, 0.0, 1.0])},  # skipped
+        {"w": jnp.full((2, 3), 1.5), "b": jnp.ones(3)},
+        {"w": jnp.full((2, 3), 0.5), "b": -jnp.ones(3)},
+    ]
+
+    @jax.jit
+    def two_calls(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    fused = jax.jit(functools.partial(tx.update_and_apply), donate_argnums=(1, 2))
+    p1, s1 = params, tx.init(params)
+    p2, s2 = jax.tree_util.tree_map(jnp.copy, params), tx.init(params)
+    for grads in grads_seq:
+        p1, s1 = two_calls(p1, s1, grads)
+        p2, s2 = fused(grads, s2, p2)
+        chex.assert_trees_all_equal(p1, p2)
+        chex.assert_trees_all_equal(s1, s2)
+    assert int(s2.skipped_steps) == 2
