@@ -15,7 +15,6 @@ step (arguments + outputs + temporaries), and the device peak.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os

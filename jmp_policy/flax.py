@@ -38,7 +38,6 @@ and reading the scale back with `optimizer_loss_scale`.
 
 from __future__ import annotations
 
-import re
 import threading
 from typing import Any, Callable, Iterable, Mapping, Optional, Tuple, Union
 
@@ -50,7 +49,9 @@ import optax
 from flax import nnx
 
 import jmp_policy
+from jmp_policy._casting import path_str
 from jmp_policy.policy import Policy, PolicyLike, as_policy
+from jmp_policy.policy_map import compile_path_regex, parse_rules
 
 __all__ = [
     "ModulePolicy",
@@ -99,47 +100,22 @@ def _compile_rules(rules: Rules, api: str) -> Tuple[Tuple[RuleKey, Any, Policy],
     base, other, other_api = ((nn.Module, nnx.Module, "set_nnx_policy") if api == "module_policy"
                               else (nnx.Module, nn.Module, "module_policy"))
     lib = {nn.Module: "flax.linen", nnx.Module: "flax.nnx"}
-    if isinstance(rules, (str, bytes)) or rules is None:
-        raise TypeError(
-            f"{api} rules must be a mapping or a sequence of (key, policy) pairs, where a "
-            f"key is a {lib[base]}.Module subclass or a path regex; got {rules!r}.")
-    items = rules.items() if isinstance(rules, Mapping) else rules
-    compiled = []
-    for n, item in enumerate(items):
-        try:
-            key, policy = item
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"{api} rule #{n} is {item!r}; each rule must be a (key, policy) pair."
-            ) from None
+
+    def compile_key(key: Any, n: int) -> Any:
         if isinstance(key, str):
-            try:
-                matcher: Any = re.compile(key)
-            except re.error as e:
-                raise ValueError(
-                    f"{api} rule #{n}: {key!r} is not a valid regular expression ({e}); "
-                    "string keys are Python `re` patterns searched in module paths such as "
-                    "'Block_0/LayerNorm_0'.") from None
-        elif isinstance(key, type) and issubclass(key, base):
-            matcher = key
-        elif isinstance(key, type) and issubclass(key, other):
+            return compile_path_regex(key, api, n, "Block_0/LayerNorm_0")
+        if isinstance(key, type) and issubclass(key, base):
+            return key
+        if isinstance(key, type) and issubclass(key, other):
             raise TypeError(
                 f"{api} rule #{n}: {key.__name__} is a {lib[other]} module, which {api} "
                 f"never sees; use {other_api} for those.")
-        else:
-            raise TypeError(
-                f"{api} rule #{n}: the key must be a {lib[base]}.Module subclass "
-                f"(e.g. LayerNorm) or a path regex string, got {key!r}.")
-        try:
-            compiled.append((key, matcher, as_policy(policy)))
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"{api} rule #{n} ({key!r}): {e}") from None
-    return tuple(compiled)
+        raise TypeError(
+            f"{api} rule #{n}: the key must be a {lib[base]}.Module subclass "
+            f"(e.g. LayerNorm) or a path regex string, got {key!r}.")
 
-
-def _path_str(path: Iterable[Any]) -> str:
-    return "/".join(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p))))
-                    for p in path)
+    return parse_rules(rules, api, "key", f"a {lib[base]}.Module subclass or a path regex",
+                       compile_key)
 
 
 def _match(compiled, default: Optional[Policy], module: Any, path: str) -> Optional[Policy]:
@@ -225,7 +201,7 @@ class ModulePolicy:
 
     def policy_for(self, module: nn.Module) -> Optional[Policy]:
         """The policy for a bound linen module, or ``None`` if it runs as constructed."""
-        path = _path_str(module.path) if module.scope is not None else ""
+        path = path_str(module.path) if module.scope is not None else ""
         return _match(self._rules, self._default, module, path)
 
     def _intercept(self, next_fun: Callable[..., Any], args: tuple, kwargs: dict,
@@ -323,7 +299,7 @@ def set_nnx_policy(model: nnx.Module, policy: PolicyLike = None, rules: Rules = 
     compiled = _compile_rules(rules, "set_nnx_policy")
     default = as_policy(policy)
     for path, module in nnx.iter_modules(model):
-        chosen = _match(compiled, default, module, _path_str(path))
+        chosen = _match(compiled, default, module, path_str(path))
         for name, value in _dtype_overrides(module, chosen).items():
             setattr(module, name, value)
             if name == "param_dtype":

@@ -356,6 +356,34 @@ jax.tree_util.register_pytree_with_keys(
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
 
 
+def as_loss_scale(loss_scale: Any, *, also: str = "") -> LossScale:
+    """The loss-scale object meant by a ``loss_scale=`` argument.
+
+    ``"dynamic"`` (default `DynamicLossScale`), a number or a 0-d array (a
+    `StaticLossScale`), ``None`` (`NoOpLossScale`) or a loss-scale object.
+    ``also`` names further forms a caller accepts, for the error message.
+    """
+    if loss_scale is None:
+        return NoOpLossScale()
+    if isinstance(loss_scale, str):
+        if loss_scale == "dynamic":
+            return DynamicLossScale()
+        raise ValueError(
+            f"Unknown loss_scale {loss_scale!r}: expected 'dynamic', a number (a static scale), "
+            f"None (no scaling), a NoOpLossScale/StaticLossScale/DynamicLossScale{also}.")
+    if isinstance(loss_scale, (NoOpLossScale, StaticLossScale, DynamicLossScale)):
+        return loss_scale
+    is_number = isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, bool)
+    is_array = (isinstance(loss_scale, (np.ndarray, np.generic, jax.Array))
+                and np.ndim(loss_scale) == 0 and loss_scale.dtype != np.bool_)
+    if is_number or is_array:
+        return StaticLossScale(loss_scale)  # validates, and warns on integers like jmp
+    raise TypeError(
+        f"loss_scale must be 'dynamic', a number, None or a loss-scale object "
+        f"(NoOpLossScale/StaticLossScale/DynamicLossScale){also}, got {loss_scale!r} "
+        f"of type {type(loss_scale).__name__}.")
+
+
 # ---------------------------------------------------------------------------
 # Tree utilities.
 

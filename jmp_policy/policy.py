@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
-import numbers
 import threading
 import warnings
 from typing import Any, Callable, Iterator, Mapping, Optional, Tuple, TypeVar, Union
@@ -67,34 +65,19 @@ def _concrete_float(x: Any, what: str) -> float:
 
 def _ls_config(loss_scale: Any) -> tuple:
     """Normalises the ``loss_scale=`` argument of `Policy` into a hashable config."""
-    if loss_scale is None or isinstance(loss_scale, _ls.NoOpLossScale):
+    loss_scale = _ls.as_loss_scale(loss_scale)
+    if isinstance(loss_scale, _ls.NoOpLossScale):
         return _LS_NONE
-    if isinstance(loss_scale, str):
-        if loss_scale == "dynamic":
-            return _LS_DYNAMIC
-        raise ValueError(
-            f"Unknown loss_scale {loss_scale!r}: expected 'dynamic', a number (a static scale), "
-            "a NoOpLossScale/StaticLossScale/DynamicLossScale, or None."
-        )
-    if isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, bool) or (
-        isinstance(loss_scale, (np.ndarray, np.generic, jax.Array)) and np.ndim(loss_scale) == 0
-    ):
-        loss_scale = _ls.StaticLossScale(loss_scale)  # validates and warns like jmp
     if isinstance(loss_scale, _ls.StaticLossScale):
         return ("static", _concrete_float(loss_scale.loss_scale, "loss_scale"))
-    if isinstance(loss_scale, _ls.DynamicLossScale):
-        max_ = loss_scale.max_loss_scale
-        return (
-            "dynamic",
-            _concrete_float(loss_scale.loss_scale, "loss_scale"),
-            int(loss_scale.period),
-            loss_scale.factor,
-            _concrete_float(loss_scale.min_loss_scale, "min_loss_scale"),
-            None if max_ is None else _concrete_float(max_, "max_loss_scale"),
-        )
-    raise TypeError(
-        f"loss_scale must be 'dynamic', a number, a loss-scale object or None, "
-        f"got {loss_scale!r} of type {type(loss_scale).__name__}."
+    max_ = loss_scale.max_loss_scale
+    return (
+        "dynamic",
+        _concrete_float(loss_scale.loss_scale, "loss_scale"),
+        int(loss_scale.period),
+        loss_scale.factor,
+        _concrete_float(loss_scale.min_loss_scale, "min_loss_scale"),
+        None if max_ is None else _concrete_float(max_, "max_loss_scale"),
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Iterable, Mapping, Sequence, Tuple, TypeVar, Union
 
 import jax
 
@@ -26,32 +26,53 @@ T = TypeVar("T")
 Rules = Union[Mapping[str, PolicyLike], Iterable[Tuple[str, PolicyLike]]]
 
 
-def _compile_rules(rules: Rules) -> Tuple[Tuple[re.Pattern, Policy], ...]:
+def parse_rules(
+    rules: Any, owner: str, key_name: str, key_desc: str, compile_key: Callable[[Any, int], Any]
+) -> Tuple[Tuple[Any, Any, Policy], ...]:
+    """``(key, compile_key(key, n), policy)`` per rule of a mapping or sequence of pairs.
+
+    Shared by `PolicyMap` and the Flax per-module policies, so both accept the
+    same shapes and name the same mistakes; ``owner`` names the caller in errors.
+    """
     if isinstance(rules, (str, bytes)) or rules is None:
         raise TypeError(
-            f"PolicyMap rules must be a mapping or a sequence of (regex, policy) pairs, got {rules!r}.")
+            f"{owner} rules must be a mapping or a sequence of ({key_name}, policy) pairs, "
+            f"where a {key_name} is {key_desc}; got {rules!r}.")
     items = rules.items() if isinstance(rules, Mapping) else rules
-    compiled = []
+    parsed = []
     for n, item in enumerate(items):
         try:
-            pattern, policy = item
+            key, policy = item
         except (TypeError, ValueError):
             raise TypeError(
-                f"PolicyMap rule #{n} is {item!r}; each rule must be a (regex, policy) pair.") from None
+                f"{owner} rule #{n} is {item!r}; each rule must be a ({key_name}, policy) pair."
+            ) from None
+        compiled = compile_key(key, n)
+        try:
+            parsed.append((key, compiled, as_policy(policy)))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{owner} rule #{n} ({key!r}): {e}") from None
+    return tuple(parsed)
+
+
+def compile_path_regex(pattern: str, owner: str, n: int, example: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ValueError(
+            f"{owner} rule #{n}: {pattern!r} is not a valid regular expression ({e}); "
+            f"patterns are Python `re` expressions searched (re.search) in paths such as "
+            f"{example!r}.") from None
+
+
+def _compile_rules(rules: Rules) -> Tuple[Tuple[re.Pattern, Policy], ...]:
+    def compile_key(pattern: Any, n: int) -> re.Pattern:
         if not isinstance(pattern, str):
             raise TypeError(f"PolicyMap rule #{n}: the pattern must be a regex string, got {pattern!r}.")
-        try:
-            regex = re.compile(pattern)
-        except re.error as e:
-            raise ValueError(
-                f"PolicyMap rule #{n}: {pattern!r} is not a valid regular expression ({e}); "
-                "rules are Python `re` patterns matched with re.search against paths like "
-                "'params/Dense_0/kernel'.") from None
-        try:
-            compiled.append((regex, as_policy(policy)))
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"PolicyMap rule #{n} ({pattern!r}): {e}") from None
-    return tuple(compiled)
+        return compile_path_regex(pattern, "PolicyMap", n, "params/Dense_0/kernel")
+
+    parsed = parse_rules(rules, "PolicyMap", "regex", "a Python `re` pattern", compile_key)
+    return tuple((regex, policy) for _, regex, policy in parsed)
 
 
 class PolicyMap:

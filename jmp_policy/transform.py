@@ -27,7 +27,6 @@ Array([-0.2, -0.2, -0.2], dtype=float32)
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import jax
@@ -42,7 +41,9 @@ from jmp_policy.loss_scale import (
     NoOpLossScale,
     StaticLossScale,
     _nonfinite_sum,
+    as_loss_scale,
 )
+from jmp_policy.policy import Policy
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -65,30 +66,13 @@ class LossScalingState(NamedTuple):
 
 def _as_loss_scale(loss_scale: Any) -> LossScale:
     """Turns `loss_scaling`'s ``loss_scale`` argument into a loss-scale object."""
-    from jmp_policy.policy import Policy  # policy.py builds loss scales from this module
-
-    if loss_scale is None:
-        return NoOpLossScale()
-    if isinstance(loss_scale, str):
-        if loss_scale == "dynamic":
-            return DynamicLossScale()
-        raise ValueError(
-            f"loss_scale={loss_scale!r} is not understood: expected 'dynamic', a number "
-            "(static scale), None (no scaling), a loss-scale object or a jmp_policy.Policy."
-        )
     if isinstance(loss_scale, Policy):
         return loss_scale.loss_scale
-    if isinstance(loss_scale, (NoOpLossScale, StaticLossScale, DynamicLossScale)):
-        return loss_scale
-    if isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, bool):
-        return StaticLossScale(loss_scale)
-    if all(hasattr(loss_scale, a) for a in ("loss_scale", "scale", "unscale", "adjust")):
-        return loss_scale  # a user-defined loss scale with the same interface
-    raise TypeError(
-        f"loss_scale must be 'dynamic', a number, None, a loss-scale object "
-        f"(NoOpLossScale/StaticLossScale/DynamicLossScale) or a jmp_policy.Policy, "
-        f"got {loss_scale!r} of type {type(loss_scale).__name__}."
-    )
+    if not isinstance(loss_scale, str) and all(
+        hasattr(loss_scale, a) for a in ("loss_scale", "scale", "unscale", "adjust")
+    ):
+        return loss_scale  # ours, or a user-defined loss scale with the same interface
+    return as_loss_scale(loss_scale, also=" or a jmp_policy.Policy")
 
 
 def loss_scaling(

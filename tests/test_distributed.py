@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 
-import pytest
 
 TESTS = pathlib.Path(__file__).resolve().parent
 WORKER = TESTS / "_distributed_worker.py"

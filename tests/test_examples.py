@@ -65,7 +65,6 @@ def test_train_digits_is_reproducible():
 
 
 def test_transformer_lm_keeps_layernorm_softmax_and_logits_in_float32():
-    import flax.linen as nn
     import jax
     import jax.numpy as jnp
 

@@ -279,10 +279,6 @@ def test_cast_under_jit_and_as_static_or_normal_argument():
     def as_normal(policy, x):
         return policy.cast_to_compute(x)
 
-    @jax.jit
-    def f_static(x, policy):
-        return policy.cast_to_compute(x)
-
     f_static = jax.jit(lambda x, policy: policy.cast_to_compute(x), static_argnums=1)
     x = jnp.ones(3)
     assert as_normal(p, x).dtype == F16

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jmp_policy
-from jmp_policy import DynamicLossScale, LossScalingState, NoOpLossScale, StaticLossScale
+from jmp_policy import DynamicLossScale, NoOpLossScale, StaticLossScale
 
 
 def make_params():
