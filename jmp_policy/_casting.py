@@ -32,11 +32,15 @@ def _converter(dtype: np.dtype) -> Callable[[list], list]:
     return jax.jit(lambda xs: [x.astype(dtype) for x in xs])
 
 
-_ARRAY_IMPL = type(jax.numpy.zeros(()))  # the concrete jax.Array class (fast type check)
+# The concrete jax.Array class, for a fast type check. Learnt from the first
+# array cast rather than by creating one at import, which would initialise
+# JAX's backends before users can configure them (jax.distributed, platforms).
+_ARRAY_IMPL: Optional[type] = None
 
 
 def cast_leaves(leaves: Sequence[Any], dtypes: Sequence[Optional[np.dtype]]) -> list:
     """Casts ``leaves[i]`` to ``dtypes[i]`` (``None``: leave it) following the casting rules."""
+    global _ARRAY_IMPL
     out = list(leaves)
     batches: dict = {}  # dtype -> indices of concrete jax arrays to convert
     for i, (x, dtype) in enumerate(zip(leaves, dtypes)):
@@ -53,6 +57,7 @@ def cast_leaves(leaves: Sequence[Any], dtypes: Sequence[Optional[np.dtype]]) -> 
         if isinstance(x, jax.core.Tracer):
             out[i] = x.astype(dtype)
         elif isinstance(x, jax.Array):
+            _ARRAY_IMPL = type(x)
             batches.setdefault(dtype, []).append(i)
         elif isinstance(x, (np.ndarray, np.generic)):
             out[i] = x.astype(dtype)  # stays a host value, as given

@@ -627,3 +627,19 @@ def test_bad_loss_scale_arguments():
 
     with pytest.raises(TypeError, match="traced value"):
         build(jnp.float32(2.0))
+
+
+def test_import_does_not_initialise_jax_backends():
+    # Users configure JAX (jax.distributed.initialize, device counts, platforms)
+    # after their imports; an import that ran a JAX operation would forbid it.
+    import os
+    import subprocess
+    import sys
+
+    script = ("import jmp_policy, jax\n"
+              "jax.config.update('jax_num_cpu_devices', 3)\n"
+              "assert jax.device_count() == 3, jax.devices()\n"
+              "print('OK')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]
