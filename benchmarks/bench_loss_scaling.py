@@ -186,8 +186,12 @@ def lm_workload(vocab: int, width: int, depth: int, heads: int, seq: int, batch:
 # (scaled) loss. Every recipe below is written the way its docs show it.
 # --------------------------------------------------------------------------- #
 
-def build_variants(workload: str, loss_fn, skipped: list[str]) -> list[Variant]:
-    """`loss_fn(params, batch)`; for the `opt` workload it is None (batch = grads)."""
+def build_variants(workload: str, loss_fn, skipped: list[str], donate: bool) -> list[Variant]:
+    """`loss_fn(params, batch)`; for the `opt` workload it is None (batch = grads).
+
+    ``donate`` is the jit mode the variants will be compiled in: jmp_policy is
+    told it (``loss_scaling(..., donated=donate)``), as its docs ask users to.
+    """
 
     def grads_and_loss(params, batch, scale=None):
         """Gradients of ``scale * loss`` (or of the loss when ``scale`` is None)."""
@@ -211,7 +215,8 @@ def build_variants(workload: str, loss_fn, skipped: list[str]) -> list[Variant]:
     variants.append(Variant("optax.adam (baseline)", adam_step, adam.init, skips=False))
 
     # 2. jmp_policy, as SPEC section 3 writes the train step.
-    tx = jmp_policy.loss_scaling(adam, jmp_policy.DynamicLossScale(jnp.float32(SCALE)))
+    tx = jmp_policy.loss_scaling(
+        adam, jmp_policy.DynamicLossScale(jnp.float32(SCALE)), donated=donate)
 
     def ours_step(params, state, batch):
         if loss_fn is None:
@@ -448,13 +453,13 @@ def _check_skips(v: Variant, compiled, params, state, grads) -> None:
         raise AssertionError(f"{v.name} changed the params on a NaN step")
 
 
-def run_workload(name, desc, variants, params, batch, args, skipped) -> dict:
+def run_workload(name, desc, make_variants, params, batch, args, skipped) -> dict:
     results = {}
     for donate in (True, False):
         mode = "donated" if donate else "not donated"
         print(f"\n== {name}: {desc}; {mode} ==", flush=True)
         runs = []
-        for v in variants:
+        for v in make_variants(donate):
             try:
                 m, compiled, state = compile_variant(v, params, batch, donate, args.compile_reps)
             except Exception as e:  # noqa: BLE001 - a broken peer must not stop the run
@@ -540,16 +545,16 @@ def main(argv=None) -> int:
     sections = {}
     if args.workload in ("opt", "all"):
         params, grads, desc, _ = optimizer_only_workload(args.params, args.leaves)
-        variants = build_variants("opt", None, skipped)
+        make = functools.partial(build_variants, "opt", None, skipped)
         sections["optimizer-only step"] = (desc, run_workload(
-            "optimizer-only step", desc, variants, params, grads, args, skipped))
+            "optimizer-only step", desc, make, params, grads, args, skipped))
     if args.workload in ("lm", "all"):
         params, tokens, desc, loss_fn = lm_workload(
             args.lm_vocab, args.lm_width, args.lm_depth, args.lm_heads, args.lm_seq,
             args.lm_batch)
-        variants = build_variants("lm", loss_fn, skipped)
+        make = functools.partial(build_variants, "lm", loss_fn, skipped)
         sections["full train step"] = (desc, run_workload(
-            "full train step", desc, variants, params, tokens, args, skipped))
+            "full train step", desc, make, params, tokens, args, skipped))
 
     skipped = sorted(set(skipped))
     if skipped:

@@ -28,6 +28,7 @@ written for ``jmp`` runs unchanged, with jmp's known bugs fixed:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import warnings
@@ -405,8 +406,8 @@ def _nonfinite_sum(leaves, multiplier: Any = None) -> jax.Array:
     Per leaf, ``sum(x * 0)`` is 0 for finite data and NaN as soon as one
     element is inf or NaN (IEEE arithmetic, whatever the backend's min/max
     conventions), and a sum of zeros cannot overflow. Leaves of the same shape
-    share one variadic reduction, so XLA reads each leaf once in a few fused
-    kernels and no boolean mask is written.
+    are added elementwise into one reduction, so XLA reads each leaf once in a
+    few fused kernels (one per shape) and no boolean mask is written.
 
     With ``multiplier`` (``1 / loss_scale``, when it may exceed 1), the result
     is also NaN when some ``x * multiplier``, cast back to the leaf's dtype as
@@ -414,32 +415,35 @@ def _nonfinite_sum(leaves, multiplier: Any = None) -> jax.Array:
     is monotonic, so ``max(|x|) * multiplier`` overflows exactly when some
     element's product does.
     """
-    groups: dict = {}  # XLA's variadic reduce needs one shape and one dtype
+    groups: dict = {}  # leaves of one shape and dtype share one reduction
     for x in leaves:
         dtype = _leaf_dtype(x)
         if dtype is not None and is_floating_dtype(dtype) and np.size(x):
             x = jnp.asarray(x)
             groups.setdefault((x.shape, np.dtype(x.dtype)), []).append(x)
     total = jnp.zeros((), jnp.float32)
-    track_max = multiplier is not None
-    for (shape, _), xs in groups.items():
-        n = len(xs)
-        operands = [x * jnp.zeros((), x.dtype) for x in xs]
-        if track_max:
-            operands += [jnp.abs(x) for x in xs]
-        inits = [jnp.zeros((), x.dtype) for x in operands]
-
-        def reducer(a, b, n=n):
-            sums = [a[i] + b[i] for i in range(n)]
-            # max may drop NaNs on some backends: the sums above catch them.
-            return tuple(sums + [jnp.maximum(a[i], b[i]) for i in range(n, len(a))])
-
-        results = jax.lax.reduce(operands, inits, reducer, tuple(range(len(shape))))
-        for i, x in enumerate(xs):
-            total = total + results[i].astype(jnp.float32)
-            if track_max:
-                unscaled = (results[n + i] * multiplier).astype(x.dtype)
-                total = total + (unscaled * 0).astype(jnp.float32)
+    for xs in groups.values():
+        # An elementwise sum of the zeroed leaves feeds a single reduction:
+        # XLA fuses it into the reduction's input, reads each leaf once and
+        # emits one kernel and one scalar per group.
+        zero = jnp.zeros((), xs[0].dtype)
+        zeros = functools.reduce(jnp.add, [x * zero for x in xs])
+        dims = tuple(range(zeros.ndim))
+        if multiplier is None:
+            # lax.reduce in the leaves' own dtype: jnp.sum would widen float16
+            # to float32 first, which XLA:CPU then writes out before reducing.
+            total = total + jax.lax.reduce(zeros, zero, jax.lax.add, dims).astype(jnp.float32)
+            continue
+        # Same pass: max(|x|) over the group (one dtype), whose unscaled value
+        # overflows iff some element's does (rounding is monotonic).
+        absmax = functools.reduce(jnp.maximum, [jnp.abs(x) for x in xs])
+        nonfinite, largest = jax.lax.reduce(
+            (zeros, absmax), (zero, zero),
+            # max may drop NaNs on some backends: the sum catches them.
+            lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
+            dims)
+        unscaled = (largest * multiplier).astype(zeros.dtype)
+        total = total + nonfinite.astype(jnp.float32) + (unscaled * 0).astype(jnp.float32)
     return total
 
 

@@ -80,6 +80,7 @@ def loss_scaling(
     loss_scale: Any = "dynamic",
     *,
     axis_name: Union[None, str, Sequence[str]] = None,
+    donated: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` so that it sees unscaled gradients and skips non-finite steps.
 
@@ -93,6 +94,15 @@ def loss_scaling(
         hold different gradients: a non-finite gradient on any of them makes all
         of them skip. Not needed under plain ``jit`` with sharded arrays, where
         the finiteness reduction is already global.
+      donated: whether the jitted step that calls ``update`` donates the
+        optimizer state (and params) with ``donate_argnums``, as train loops
+        should. Results are identical either way; only memory traffic differs.
+        XLA updates donated buffers in place only if a skipped step passes them
+        through, and it writes fresh output buffers without first copying its
+        inputs only if a skipped step makes fresh values too; so ``True``
+        passes them through and ``False`` makes fresh copies (measured on
+        XLA:CPU, 8M params: 1.70x plain adam's bytes with the wrong setting,
+        1.10x-1.30x with the right one).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a `LossScalingState`.
@@ -164,9 +174,10 @@ def loss_scaling(
             # zeros_like of the ShapeDtypeStructs keeps explicit shardings too.
             zeros = jax.tree_util.tree_map(jnp.zeros_like, updates_shape)
             skipped = state.skipped_steps
+            inner_state = _keep(state.inner_state, state_shape.inner_state)
             return zeros, LossScalingState(
                 loss_scale=state.loss_scale.adjust(jnp.asarray(False)),
-                inner_state=_keep(state.inner_state, state_shape.inner_state),
+                inner_state=inner_state if donated else _fresh(inner_state),
                 grads_finite=jnp.asarray(False),
                 skipped_steps=jnp.where(skipped < _INT32_MAX, skipped + 1, skipped),
             )
@@ -184,7 +195,8 @@ def loss_scaling(
                 return optax.apply_updates(args[2], updates), new_state
 
             def skip_branch(*args):
-                return args[2], _make_varying(skip(*args), target)[1]
+                params = args[2] if donated else _fresh(args[2])
+                return params, _make_varying(skip(*args), target)[1]
 
             # As for update: both branches must agree on varying axes (shard_map).
             fused_target = _union_varying(
@@ -262,6 +274,28 @@ def _unscale_multiplier(scale: Any) -> Any:
         if scale.loss_scale >= 1:
             return None
     return 1 / scale.loss_scale
+
+
+def _fresh(tree: Any) -> Any:
+    """The same values, bit for bit, in new buffers that XLA will not elide.
+
+    A skipped step that returns its inputs unchanged makes XLA copy every
+    non-donated input before the cond on *every* step (an output may not alias
+    a buffer the caller keeps); an exact identity inside the skip branch moves
+    that copy into the branch, which runs only on skipped steps. Rounding to
+    the dtype's own exponent and mantissa widths is such an identity.
+    """
+
+    def fresh(x):
+        if getattr(x, "dtype", None) in _FRESH_DTYPES:
+            info = jnp.finfo(x.dtype)
+            return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+        return x  # integer/bool leaves are small scalars in practice (step counts)
+
+    return jax.tree_util.tree_map(fresh, tree)
+
+
+_FRESH_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
 
 
 def _keep(inner_state: Any, applied_shape: Any) -> Any:

@@ -1,5 +1,6 @@
 """Tests for jmp_policy.loss_scale: loss-scale objects, all_finite, select_tree."""
 
+import re
 import random
 import warnings
 
@@ -318,3 +319,42 @@ def test_runs_code_written_for_jmp():
         new = jmp.select_tree(grads_finite, grads_out, jax.tree_util.tree_map(jnp.zeros_like, grads_out))
         assert bool(jmp.all_finite(new))
     assert float(loss_scale.loss_scale) == 2.0**14
+
+
+def test_all_finite_reads_each_leaf_once_in_one_reduction_per_shape():
+    # float32 gradients of float32 master weights: 12 leaves of one shape and 5
+    # of another make two groups, so two reductions, each leaf read once.
+    # (Weight-sized leaves: below ~4096 elements, and for float16 leaves,
+    # XLA:CPU writes a group's elementwise sum out once before reducing it.)
+    tree = [jnp.ones((128, 128))] * 12 + [jnp.ones((4096,))] * 5
+    compiled = jax.jit(jmp_policy.all_finite).lower(tree).compile()
+    hlo = compiled.as_text()
+    assert len(re.findall(r"\sreduce\(", hlo)) == 2, hlo
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    leaf_bytes = sum(x.nbytes for x in tree)
+    assert leaf_bytes <= cost["bytes accessed"] <= 1.02 * leaf_bytes
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_all_finite_finds_one_bad_element_in_any_leaf_of_a_group(bad):
+    tree = [jnp.full((8, 4), 65504.0, jnp.float16) for _ in range(5)]
+    check = jax.jit(jmp_policy.all_finite)
+    assert bool(check(tree))
+    for i in range(len(tree)):
+        broken = list(tree)
+        broken[i] = broken[i].at[i, 3].set(bad)
+        assert not bool(check(broken)), i
+
+
+def test_unscaled_overflow_is_found_in_any_leaf_of_a_group():
+    # Scale 0.5: unscaling doubles; same shape and dtype share one reduction.
+    tx_state = jmp_policy.StaticLossScale(0.5)
+    from jmp_policy.loss_scale import _nonfinite_sum
+
+    leaves = [jnp.full((3,), 1e38) for _ in range(4)]
+    assert np.isfinite(float(_nonfinite_sum(leaves, 1 / tx_state.loss_scale)))
+    for i in range(4):
+        broken = list(leaves)
+        broken[i] = broken[i].at[1].set(-2e38)  # finite, but -4e38 after unscaling
+        assert not np.isfinite(float(jax.jit(_nonfinite_sum)(broken, 1 / tx_state.loss_scale))), i
