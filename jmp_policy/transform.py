@@ -118,6 +118,10 @@ def loss_scaling(
     >>> bool(state.grads_finite), int(state.skipped_steps), updates["w"]
     (False, 1, Array([0., 0.], dtype=float32))
     """
+    if not isinstance(donated, bool):
+        raise TypeError(
+            f"loss_scaling: donated must be True (the step donates params and optimizer "
+            f"state) or False (it does not), got {donated!r}.")
     initial_scale = _as_loss_scale(loss_scale)
     inner = optax.with_extra_args_support(inner)
 
@@ -281,6 +285,9 @@ def _unscale_multiplier(scale: Any) -> Any:
     return 1 / scale.loss_scale
 
 
+_FRESH_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
+
+
 def _fresh(tree: Any) -> Any:
     """The same values, bit for bit, in new buffers that XLA will not elide.
 
@@ -298,9 +305,6 @@ def _fresh(tree: Any) -> Any:
         return x  # integer/bool leaves are small scalars in practice (step counts)
 
     return jax.tree_util.tree_map(fresh, tree)
-
-
-_FRESH_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
 
 
 def _keep(inner_state: Any, applied_shape: Any) -> Any:

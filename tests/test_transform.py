@@ -478,3 +478,8 @@ def _bytes_accessed(compiled):
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return cost["bytes accessed"]
+
+
+def test_donated_must_be_a_bool():
+    with pytest.raises(TypeError, match="donated must be True"):
+        jmp_policy.loss_scaling(optax.sgd(0.1), "dynamic", donated="no")
