@@ -48,8 +48,6 @@ from jmp_policy.loss_scale import (
 )
 from jmp_policy.policy import Policy
 
-_INT32_MAX = np.iinfo(np.int32).max
-
 
 class LossScalingState(NamedTuple):
     """State of `loss_scaling`.
@@ -180,13 +178,14 @@ def loss_scaling(
             updates_shape, state_shape = applied
             # zeros_like of the ShapeDtypeStructs keeps explicit shardings too.
             zeros = jax.tree_util.tree_map(jnp.zeros_like, updates_shape)
-            skipped = state.skipped_steps
             inner_state = _keep(state.inner_state, state_shape.inner_state)
             return zeros, LossScalingState(
                 loss_scale=state.loss_scale.adjust(jnp.asarray(False)),
                 inner_state=inner_state if donated else _fresh(inner_state),
                 grads_finite=jnp.asarray(False),
-                skipped_steps=jnp.where(skipped < _INT32_MAX, skipped + 1, skipped),
+                # optax's own saturating increment: the same kernel as the inner
+                # optimizer's step count, which XLA compiles once.
+                skipped_steps=optax.safe_increment(state.skipped_steps),
             )
 
         # Under shard_map both branches must also agree on which values vary

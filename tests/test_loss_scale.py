@@ -336,6 +336,42 @@ def test_all_finite_reads_each_leaf_once_in_one_reduction_per_shape():
     assert leaf_bytes <= cost["bytes accessed"] <= 1.02 * leaf_bytes
 
 
+def test_all_finite_concatenates_small_leaves_into_one_reduction():
+    # Biases and norm scales of many shapes: one reduction for all of them
+    # (a kernel per small shape costs more compile time than the copy),
+    # next to the one for the weight-sized group; each read once (+ the copy).
+    small = [jnp.ones(s) for s in [(256,), (768,), (4, 32), (1024,), (256,), (7,)] * 4]
+    tree = [jnp.ones((128, 128))] * 3 + small
+    compiled = jax.jit(jmp_policy.all_finite).lower(tree).compile()
+    hlo = compiled.as_text()
+    assert len(re.findall(r"\sreduce\(", hlo)) == 2, hlo
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    leaf_bytes = sum(x.nbytes for x in tree)
+    small_bytes = sum(x.nbytes for x in small)
+    assert cost["bytes accessed"] <= 1.02 * (leaf_bytes + 2 * small_bytes)
+    check = jax.jit(jmp_policy.all_finite)
+    assert bool(check(tree))
+    for i in range(3, len(tree)):
+        broken = list(tree)
+        broken[i] = broken[i].reshape(-1).at[-1].set(np.nan).reshape(tree[i].shape)
+        assert not bool(check(broken)), i
+
+
+def test_small_leaves_of_different_dtypes_are_checked_in_their_own_dtype():
+    # float16 65504 is finite; its float32 copy would be too, but unscaling by
+    # 2 overflows float16 only: the check must stay in each leaf's dtype.
+    from jmp_policy.loss_scale import _nonfinite_sum
+
+    leaves = [jnp.full((5,), 1e4, jnp.float16), jnp.full((3, 2), 1e38), jnp.full((4,), 1.0, jnp.bfloat16)]
+    assert np.isfinite(float(_nonfinite_sum(leaves, 2.0)))
+    for i, big in enumerate([jnp.float16(40000.0), 2e38, jnp.bfloat16(2e38)]):
+        broken = list(leaves)
+        broken[i] = broken[i].reshape(-1).at[0].set(big).reshape(leaves[i].shape)
+        assert np.isfinite(float(_nonfinite_sum(broken)))  # finite as given...
+        assert not np.isfinite(float(jax.jit(_nonfinite_sum)(broken, 2.0))), i  # ...not unscaled
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_all_finite_finds_one_bad_element_in_any_leaf_of_a_group(bad):
     tree = [jnp.full((8, 4), 65504.0, jnp.float16) for _ in range(5)]
