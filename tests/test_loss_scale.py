@@ -321,19 +321,24 @@ def test_runs_code_written_for_jmp():
     assert float(loss_scale.loss_scale) == 2.0**14
 
 
+def _all_finite_reductions_and_bytes(tree):
+    """(reduce ops in the optimized HLO, XLA's bytes accessed) of jitted all_finite."""
+    compiled = jax.jit(jmp_policy.all_finite).lower(tree).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return len(re.findall(r"\sreduce\(", compiled.as_text())), cost["bytes accessed"]
+
+
 def test_all_finite_reads_each_leaf_once_in_one_reduction_per_shape():
     # float32 gradients of float32 master weights: 12 leaves of one shape and 5
     # of another make two groups, so two reductions, each leaf read once.
     # (Weight-sized leaves: below ~4096 elements, and for float16 leaves,
     # XLA:CPU writes a group's elementwise sum out once before reducing it.)
     tree = [jnp.ones((128, 128))] * 12 + [jnp.ones((4096,))] * 5
-    compiled = jax.jit(jmp_policy.all_finite).lower(tree).compile()
-    hlo = compiled.as_text()
-    assert len(re.findall(r"\sreduce\(", hlo)) == 2, hlo
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    reductions, bytes_accessed = _all_finite_reductions_and_bytes(tree)
+    assert reductions == 2
     leaf_bytes = sum(x.nbytes for x in tree)
-    assert leaf_bytes <= cost["bytes accessed"] <= 1.02 * leaf_bytes
+    assert leaf_bytes <= bytes_accessed <= 1.02 * leaf_bytes
 
 
 def test_all_finite_concatenates_small_leaves_into_one_reduction():
@@ -342,14 +347,11 @@ def test_all_finite_concatenates_small_leaves_into_one_reduction():
     # next to the one for the weight-sized group; each read once (+ the copy).
     small = [jnp.ones(s) for s in [(256,), (768,), (4, 32), (1024,), (256,), (7,)] * 4]
     tree = [jnp.ones((128, 128))] * 3 + small
-    compiled = jax.jit(jmp_policy.all_finite).lower(tree).compile()
-    hlo = compiled.as_text()
-    assert len(re.findall(r"\sreduce\(", hlo)) == 2, hlo
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    reductions, bytes_accessed = _all_finite_reductions_and_bytes(tree)
+    assert reductions == 2
     leaf_bytes = sum(x.nbytes for x in tree)
     small_bytes = sum(x.nbytes for x in small)
-    assert cost["bytes accessed"] <= 1.02 * (leaf_bytes + 2 * small_bytes)
+    assert bytes_accessed <= 1.02 * (leaf_bytes + 2 * small_bytes)
     check = jax.jit(jmp_policy.all_finite)
     assert bool(check(tree))
     for i in range(3, len(tree)):
