@@ -406,6 +406,21 @@ def _check_bool_scalar(pred: Any, what: str) -> jax.Array:
 _SMALL_LEAF = 4096
 
 
+def _concatenable(x: jax.Array) -> bool:
+    """Whether ``x`` is small and not on a mesh, so concatenating it is free.
+
+    Concatenating arrays that live on a mesh makes XLA all-gather each of
+    them (and explicit-sharding mode rejects the reshape); those keep their
+    own per-shape reductions.
+    """
+    if x.size >= _SMALL_LEAF:
+        return False
+    try:
+        return jax.typeof(x).sharding.mesh.empty
+    except AttributeError:  # no sharding in the type (older JAX)
+        return jax.device_count() == 1
+
+
 def _nonfinite_sum(leaves, multiplier: Any = None) -> jax.Array:
     """0 if every floating leaf is finite, else NaN (a float32 scalar).
 
@@ -427,7 +442,7 @@ def _nonfinite_sum(leaves, multiplier: Any = None) -> jax.Array:
         dtype = _leaf_dtype(x)
         if dtype is not None and is_floating_dtype(dtype) and np.size(x):
             x = jnp.asarray(x)
-            key = (None if x.size < _SMALL_LEAF else x.shape, np.dtype(x.dtype))
+            key = (None if _concatenable(x) else x.shape, np.dtype(x.dtype))
             groups.setdefault(key, []).append(x)
     total = jnp.zeros((), jnp.float32)
     for (shape, _), xs in groups.items():

@@ -396,3 +396,18 @@ def test_unscaled_overflow_is_found_in_any_leaf_of_a_group():
         broken = list(leaves)
         broken[i] = broken[i].at[1].set(-2e38)  # finite, but -4e38 after unscaling
         assert not np.isfinite(float(jax.jit(_nonfinite_sum)(broken, 1 / tx_state.loss_scale))), i
+
+
+def test_small_leaves_on_a_mesh_are_not_concatenated():
+    # Concatenating sharded leaves would all-gather them (and explicit
+    # sharding rejects the reshape): on a mesh they keep per-shape reductions.
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("model",))
+    with jax.set_mesh(mesh):
+        shard = NamedSharding(mesh, P("model"))
+        tree = [jax.device_put(jnp.ones(n), shard) for n in (16, 64, 16)]
+        check = jax.jit(jmp_policy.all_finite)
+        assert bool(check(tree))
+        assert not bool(check([tree[0], tree[1].at[5].set(np.inf), tree[2]]))
+        assert "concatenate" not in check.lower(tree).compile().as_text()
