@@ -1,0 +1,201 @@
+"""How fast can a finiteness check be, next to the Adam step it guards?
+
+A skip that updates donated buffers in place must know whether the gradients
+are finite before it writes anything, so the check's own time is added to the
+step's. This measures that floor on the optimizer-only workload of
+``bench_loss_scaling.py`` (same shapes), in one process, interleaved:
+
+* ``adam``: a donated plain ``optax.adam`` step (update + apply_updates);
+* ``check``: jmp_policy's finiteness check alone (``all_finite`` of the grads);
+* ``variadic``: the check variant of the ``--lm-layout`` experiment below;
+* ``contiguous``: the same check over ONE contiguous array holding as many
+  float32 elements as all the gradients together -- the best case for any
+  reduction (gradients live in separate buffers; concatenating them would copy
+  them, so no real check gets this).
+
+``check / adam`` is roughly what the check adds to the wall time of a donated
+step; ``contiguous / adam`` is the lower bound for any check-before-write
+design on this machine. Run it once normally and once pinned to one core
+(``taskset -c 0``) to see whether the reductions use several threads.
+
+``--lm-layout`` also prints XLA's bytes accessed for the full LM train step of
+``bench_loss_scaling.py`` with the shipped check and with a variant that feeds
+each per-shape sum to a 2-operand (variadic) reduction, which makes XLA:CPU
+give the gradients the default layout (the trade-off is discussed in
+``RESULTS.md``).
+
+Example::
+
+    python benchmarks/bench_check_floor.py --rounds 20
+    taskset -c 0 python benchmarks/bench_check_floor.py --rounds 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jmp_policy
+from bench_loss_scaling import _cost, build_variants, lm_workload, optimizer_only_workload
+
+
+def _median_ms(samples) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def wall_floor(params_count: float, leaves: int, rounds: int, iters: int) -> None:
+    params, grads, desc, _ = optimizer_only_workload(params_count, leaves)
+    n = sum(x.size for x in jax.tree.leaves(grads))
+    contiguous = jnp.ones((n // 1024, 1024), jnp.float32)
+    adam = optax.adam(1e-3)
+
+    def adam_step(p, s, g):
+        updates, s = adam.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    step = jax.jit(adam_step, donate_argnums=(0, 1)).lower(params, adam.init(params), grads).compile()
+    check = jax.jit(jmp_policy.all_finite).lower(grads).compile()
+    whole = jax.jit(jmp_policy.all_finite).lower(contiguous).compile()
+    variadic = jax.jit(lambda g: jnp.isfinite(_variadic_nonfinite_sum(jax.tree.leaves(g))))
+    variadic = variadic.lower(grads).compile()
+    p = jax.tree.map(jnp.array, params)
+    s = adam.init(p)
+
+    def timed(fn, *args):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / iters
+
+    times = {"adam": [], "check": [], "contiguous": [], "variadic": []}
+    for _ in range(rounds):  # interleaved, so that load from elsewhere hits all alike
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            p, s = step(p, s, grads)
+        jax.block_until_ready(p)
+        times["adam"].append((time.perf_counter() - t0) / iters)
+        times["check"].append(timed(check, grads))
+        times["contiguous"].append(timed(whole, contiguous))
+        times["variadic"].append(timed(variadic, grads))
+    ms = {k: _median_ms(v) for k, v in times.items()}
+    print(f"{desc}; {os.cpu_count()} CPUs visible, affinity {len(os.sched_getaffinity(0))}")
+    print(f"  donated adam step  {ms['adam']:.3f} ms")
+    print(f"  check (all_finite) {ms['check']:.3f} ms = {ms['check'] / ms['adam']:.3f}x of the step")
+    print(f"  contiguous check   {ms['contiguous']:.3f} ms = {ms['contiguous'] / ms['adam']:.3f}x of the step")
+    print(f"  variadic check     {ms['variadic']:.3f} ms = {ms['variadic'] / ms['adam']:.3f}x of the step "
+          "(the --lm-layout variant)")
+
+
+def _variadic_nonfinite_sum(leaves, multiplier=None):
+    """The shipped check, but each per-shape sum goes through a 2-operand reduce."""
+    from jmp_policy import loss_scale
+
+    if multiplier is not None:
+        return loss_scale._nonfinite_sum(leaves, multiplier)
+    groups: dict = {}
+    for x in leaves:
+        if jnp.issubdtype(x.dtype, jnp.floating) and x.size:
+            key = (None if loss_scale._concatenable(x) else x.shape, x.dtype)
+            groups.setdefault(key, []).append(x)
+    total = jnp.zeros((), jnp.float32)
+    for (shape, dtype), xs in groups.items():
+        if shape is None:
+            xs = [jnp.concatenate([jnp.ravel(x) for x in xs])]
+        zero = jnp.zeros((), dtype)
+        zeros = functools.reduce(jnp.add, [x * zero for x in xs])
+        a, b = jax.lax.reduce((zeros, zeros), (zero, zero),
+                              lambda u, v: (u[0] + v[0], u[1] + v[1]), tuple(range(zeros.ndim)))
+        total = total + a.astype(jnp.float32) + b.astype(jnp.float32)
+    return total
+
+
+def _compile_seconds(jitted, *args) -> float:
+    jax.clear_caches()
+    lowered = jitted.lower(*args)
+    t0 = time.perf_counter()
+    lowered.compile()
+    return time.perf_counter() - t0
+
+
+def lm_layout(params_count: float, leaves: int, compile_reps: int) -> None:
+    from jmp_policy import transform
+
+    shipped = transform._nonfinite_sum
+    # Its cost on the optimizer-only step: the variadic reduction is not a
+    # YNNPACK kernel on XLA:CPU, so it is compiled by LLVM.
+    params, grads, desc, _ = optimizer_only_workload(params_count, leaves)
+    print(desc + ", donated, update_and_apply:")
+    jitted, kernels, seconds = {}, {}, {}
+    for name, check in (("shipped", shipped), ("variadic", _variadic_nonfinite_sum)):
+        transform._nonfinite_sum = check
+        try:
+            v = next(v for v in build_variants("opt", None, [], True) if "update_and_apply" in v.name)
+            state = v.init_state(params)
+            # A fresh jit per check: the monkeypatched function is read at trace time.
+            jitted[name] = (jax.jit(v.step, donate_argnums=(0, 1)), state)
+            text = jitted[name][0].lower(params, state, grads).compile().as_text()
+            kernels[name] = text.count("__ynn_fusion")
+        finally:
+            transform._nonfinite_sum = shipped
+        seconds[name] = []
+    for _ in range(compile_reps):  # interleaved: compile time drifts on a shared machine
+        for name, check in (("shipped", shipped), ("variadic", _variadic_nonfinite_sum)):
+            transform._nonfinite_sum = check
+            try:
+                seconds[name].append(_compile_seconds(jitted[name][0], params, jitted[name][1], grads))
+            finally:
+                transform._nonfinite_sum = shipped
+    for name in seconds:
+        print(f"  {name} check: {kernels[name]} YNNPACK kernels, compile "
+              f"{_median_ms(seconds[name]):.0f} ms (median of {compile_reps})")
+
+    params, tokens, desc, loss_fn = lm_workload(1024, 128, 2, 4, 64, 8)
+    print(desc)
+    for donate in (True, False):
+        figures = {}
+        for name, check in (("shipped", shipped), ("variadic", _variadic_nonfinite_sum)):
+            transform._nonfinite_sum = check
+            try:
+                variants = build_variants("lm", loss_fn, [], donate)
+                for v in (variants[0], next(v for v in variants if "update_and_apply" in v.name)):
+                    jitted = jax.jit(v.step, donate_argnums=(0, 1) if donate else ())
+                    compiled = jitted.lower(params, v.init_state(params), tokens).compile()
+                    figures[(name, v.name)] = _cost(compiled)["bytes accessed"]
+            finally:
+                transform._nonfinite_sum = shipped
+        base = figures[("shipped", "optax.adam (baseline)")]
+        for (name, row), b in figures.items():
+            if "update_and_apply" in row:
+                print(f"  {'donated' if donate else 'not donated'}, {name} check: "
+                      f"{b / base:.4f}x plain adam's bytes ({b / 2**20:.1f} MiB)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", type=float, default=8e6)
+    ap.add_argument("--leaves", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--lm-layout", action="store_true", help="also the layout experiment")
+    ap.add_argument("--compile-reps", type=int, default=5)
+    args = ap.parse_args(argv)
+    print(f"jax {jax.__version__} on {jax.default_backend()}")
+    wall_floor(args.params, args.leaves, args.rounds, args.iters)
+    if args.lm_layout:
+        lm_layout(args.params, args.leaves, args.compile_reps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
