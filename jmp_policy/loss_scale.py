@@ -413,12 +413,7 @@ def _concatenable(x: jax.Array) -> bool:
     them (and explicit-sharding mode rejects the reshape); those keep their
     own per-shape reductions.
     """
-    if x.size >= _SMALL_LEAF:
-        return False
-    try:
-        return jax.typeof(x).sharding.mesh.empty
-    except AttributeError:  # no sharding in the type (older JAX)
-        return jax.device_count() == 1
+    return x.size < _SMALL_LEAF and jax.typeof(x).sharding.mesh.empty
 
 
 def _nonfinite_sum(leaves, multiplier: Any = None) -> jax.Array:

@@ -245,10 +245,8 @@ class _LossScaling(optax.GradientTransformationExtraArgs):
 
 def _varying_axes(aval: Any) -> frozenset:
     """The mesh axes a value varies over inside ``shard_map`` (empty elsewhere)."""
-    manual = getattr(aval, "manual_axis_type", None)
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", None) or ())  # older JAX (None outside shard_map)
+    manual = getattr(aval, "manual_axis_type", None)  # None: not an array type
+    return frozenset(manual.varying) if manual is not None else frozenset()
 
 
 def _union_varying(a: Any, b: Any) -> Any:
@@ -260,9 +258,7 @@ def _make_varying(tree: Any, target: Any) -> Any:
         missing = tuple(sorted(axes - _varying_axes(jax.typeof(x))))
         if not missing:
             return x
-        if hasattr(jax.lax, "pcast"):
-            return jax.lax.pcast(x, missing, to="varying")
-        return jax.lax.pvary(x, missing)  # older JAX
+        return jax.lax.pcast(x, missing, to="varying")
 
     return jax.tree_util.tree_map(cast, tree, target)
 
