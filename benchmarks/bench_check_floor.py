@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import statistics
@@ -46,7 +47,8 @@ import jax.numpy as jnp
 import optax
 
 import jmp_policy
-from bench_loss_scaling import _cost, build_variants, lm_workload, optimizer_only_workload
+from bench_loss_scaling import (
+    _compile_once, _cost, build_variants, lm_workload, optimizer_only_workload)
 
 
 def _median_ms(samples) -> float:
@@ -120,42 +122,45 @@ def _variadic_nonfinite_sum(leaves, multiplier=None):
     return total
 
 
-def _compile_seconds(jitted, *args) -> float:
-    jax.clear_caches()
-    lowered = jitted.lower(*args)
-    t0 = time.perf_counter()
-    lowered.compile()
-    return time.perf_counter() - t0
-
-
-def lm_layout(params_count: float, leaves: int, compile_reps: int) -> None:
+@contextlib.contextmanager
+def _checked_by(check):
+    """Makes `loss_scaling` trace with ``check`` as its finiteness check."""
     from jmp_policy import transform
 
     shipped = transform._nonfinite_sum
+    transform._nonfinite_sum = check or shipped
+    try:
+        yield
+    finally:
+        transform._nonfinite_sum = shipped
+
+
+_CHECKS = (("shipped", None), ("variadic", _variadic_nonfinite_sum))
+
+
+def _fused_variant(workload: str, loss_fn, donate: bool):
+    return next(v for v in build_variants(workload, loss_fn, [], donate) if "update_and_apply" in v.name)
+
+
+def lm_layout(params_count: float, leaves: int, compile_reps: int) -> None:
     # Its cost on the optimizer-only step: the variadic reduction is not a
     # YNNPACK kernel on XLA:CPU, so it is compiled by LLVM.
     params, grads, desc, _ = optimizer_only_workload(params_count, leaves)
     print(desc + ", donated, update_and_apply:")
     jitted, kernels, seconds = {}, {}, {}
-    for name, check in (("shipped", shipped), ("variadic", _variadic_nonfinite_sum)):
-        transform._nonfinite_sum = check
-        try:
-            v = next(v for v in build_variants("opt", None, [], True) if "update_and_apply" in v.name)
+    for name, check in _CHECKS:
+        with _checked_by(check):
+            v = _fused_variant("opt", None, True)
             state = v.init_state(params)
-            # A fresh jit per check: the monkeypatched function is read at trace time.
+            # A fresh jit per check: the check is read at trace time.
             jitted[name] = (jax.jit(v.step, donate_argnums=(0, 1)), state)
-            text = jitted[name][0].lower(params, state, grads).compile().as_text()
-            kernels[name] = text.count("__ynn_fusion")
-        finally:
-            transform._nonfinite_sum = shipped
+            _, compiled = _compile_once(jitted[name][0], params, state, grads)
+            kernels[name] = compiled.as_text().count("__ynn_fusion")
         seconds[name] = []
     for _ in range(compile_reps):  # interleaved: compile time drifts on a shared machine
-        for name, check in (("shipped", shipped), ("variadic", _variadic_nonfinite_sum)):
-            transform._nonfinite_sum = check
-            try:
-                seconds[name].append(_compile_seconds(jitted[name][0], params, jitted[name][1], grads))
-            finally:
-                transform._nonfinite_sum = shipped
+        for name, check in _CHECKS:
+            with _checked_by(check):
+                seconds[name].append(_compile_once(jitted[name][0], params, jitted[name][1], grads)[0])
     for name in seconds:
         print(f"  {name} check: {kernels[name]} YNNPACK kernels, compile "
               f"{_median_ms(seconds[name]):.0f} ms (median of {compile_reps})")
@@ -163,22 +168,18 @@ def lm_layout(params_count: float, leaves: int, compile_reps: int) -> None:
     params, tokens, desc, loss_fn = lm_workload(1024, 128, 2, 4, 64, 8)
     print(desc)
     for donate in (True, False):
-        figures = {}
-        for name, check in (("shipped", shipped), ("variadic", _variadic_nonfinite_sum)):
-            transform._nonfinite_sum = check
-            try:
-                variants = build_variants("lm", loss_fn, [], donate)
-                for v in (variants[0], next(v for v in variants if "update_and_apply" in v.name)):
-                    jitted = jax.jit(v.step, donate_argnums=(0, 1) if donate else ())
-                    compiled = jitted.lower(params, v.init_state(params), tokens).compile()
-                    figures[(name, v.name)] = _cost(compiled)["bytes accessed"]
-            finally:
-                transform._nonfinite_sum = shipped
-        base = figures[("shipped", "optax.adam (baseline)")]
-        for (name, row), b in figures.items():
-            if "update_and_apply" in row:
-                print(f"  {'donated' if donate else 'not donated'}, {name} check: "
-                      f"{b / base:.4f}x plain adam's bytes ({b / 2**20:.1f} MiB)")
+        mode = "donated" if donate else "not donated"
+        baseline = build_variants("lm", loss_fn, [], donate)[0]
+        _, compiled = _compile_once(jax.jit(baseline.step, donate_argnums=(0, 1) if donate else ()),
+                                    params, baseline.init_state(params), tokens)
+        base = _cost(compiled)["bytes accessed"]
+        for name, check in _CHECKS:
+            with _checked_by(check):
+                v = _fused_variant("lm", loss_fn, donate)
+                _, compiled = _compile_once(jax.jit(v.step, donate_argnums=(0, 1) if donate else ()),
+                                            params, v.init_state(params), tokens)
+            b = _cost(compiled)["bytes accessed"]
+            print(f"  {mode}, {name} check: {b / base:.4f}x plain adam's bytes ({b / 2**20:.1f} MiB)")
 
 
 def main(argv=None) -> int:

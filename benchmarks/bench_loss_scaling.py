@@ -21,8 +21,7 @@ left out and named in the output.
 
 Figures, as ratios to plain adam measured in the same run: bytes accessed
 (``compiled.cost_analysis()``), HLO instructions (optimized HLO text), XLA
-compile time (median of ``--compile-reps``
-interleaved rounds), temp memory
+compile time (median of ``--compile-reps`` interleaved rounds), temp memory
 (``memory_analysis()``), wall time per step (median over ``--rounds``
 interleaved rounds of ``--iters`` steps). Wall time is noisy on a shared
 machine; the XLA figures are not.
