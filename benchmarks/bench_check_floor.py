@@ -9,14 +9,21 @@ step's. This measures that floor on the optimizer-only workload of
 * ``check``: jmp_policy's finiteness check alone (``all_finite`` of the grads);
 * ``variadic``: the check variant of the ``--lm-layout`` experiment below;
 * ``contiguous``: the same check over ONE contiguous array holding as many
-  float32 elements as all the gradients together -- the best case for any
+  float32 elements as all the gradients together -- the best case for this
   reduction (gradients live in separate buffers; concatenating them would copy
-  them, so no real check gets this).
+  them, so no real check gets this);
+* ``plain sum``: one bare ``sum(x)`` per gradient leaf, with no elementwise op
+  in front of the reduction. It is NOT an exact finiteness check: a finite leaf
+  whose sum overflows (e.g. ``full(n, 3e38)``) reads as non-finite, and an
+  exact fallback for that case would be a second ``cond`` whose branch XLA
+  counts in the bytes accessed. It shows what the elementwise ``x * 0``
+  costs on XLA:CPU.
 
 ``check / adam`` is roughly what the check adds to the wall time of a donated
-step; ``contiguous / adam`` is the lower bound for any check-before-write
-design on this machine. Run it once normally and once pinned to one core
-(``taskset -c 0``) to see whether the reductions use several threads.
+step; ``contiguous / adam`` is the lower bound for this exact check; ``plain
+sum / adam`` for any reduction of the gradients. Run it once normally and once
+pinned to one core (``taskset -c 0``) to see whether the reductions use several
+threads.
 
 ``--lm-layout`` also prints XLA's bytes accessed for the full LM train step of
 ``bench_loss_scaling.py`` with the shipped check and with a variant that feeds
@@ -70,6 +77,9 @@ def wall_floor(params_count: float, leaves: int, rounds: int, iters: int) -> Non
     whole = jax.jit(jmp_policy.all_finite).lower(contiguous).compile()
     variadic = jax.jit(lambda g: jnp.isfinite(_variadic_nonfinite_sum(jax.tree.leaves(g))))
     variadic = variadic.lower(grads).compile()
+    plain = jax.jit(_plain_sum).lower(grads).compile()
+    overflowing = {"w": jnp.full((4,), 3e38, jnp.float32)}
+    assert bool(jmp_policy.all_finite(overflowing)) and not bool(_plain_sum(overflowing))
     p = jax.tree.map(jnp.array, params)
     s = adam.init(p)
 
@@ -80,7 +90,7 @@ def wall_floor(params_count: float, leaves: int, rounds: int, iters: int) -> Non
         jax.block_until_ready(out)
         return (time.perf_counter() - t0) / iters
 
-    times = {"adam": [], "check": [], "contiguous": [], "variadic": []}
+    times = {"adam": [], "check": [], "contiguous": [], "variadic": [], "plain": []}
     for _ in range(rounds):  # interleaved, so that load from elsewhere hits all alike
         t0 = time.perf_counter()
         for _ in range(iters):
@@ -90,6 +100,7 @@ def wall_floor(params_count: float, leaves: int, rounds: int, iters: int) -> Non
         times["check"].append(timed(check, grads))
         times["contiguous"].append(timed(whole, contiguous))
         times["variadic"].append(timed(variadic, grads))
+        times["plain"].append(timed(plain, grads))
     ms = {k: _median_ms(v) for k, v in times.items()}
     print(f"{desc}; {os.cpu_count()} CPUs visible, affinity {len(os.sched_getaffinity(0))}")
     print(f"  donated adam step  {ms['adam']:.3f} ms")
@@ -97,6 +108,14 @@ def wall_floor(params_count: float, leaves: int, rounds: int, iters: int) -> Non
     print(f"  contiguous check   {ms['contiguous']:.3f} ms = {ms['contiguous'] / ms['adam']:.3f}x of the step")
     print(f"  variadic check     {ms['variadic']:.3f} ms = {ms['variadic'] / ms['adam']:.3f}x of the step "
           "(the --lm-layout variant)")
+    print(f"  plain sum per leaf {ms['plain']:.3f} ms = {ms['plain'] / ms['adam']:.3f}x of the step "
+          "(not exact: overflow reads as non-finite)")
+
+
+def _plain_sum(grads) -> jax.Array:
+    """``isfinite`` of the sum of bare per-leaf sums: fast, but overflow reads as non-finite."""
+    sums = [jnp.sum(x) for x in jax.tree.leaves(grads) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.isfinite(functools.reduce(jnp.add, sums))
 
 
 def _variadic_nonfinite_sum(leaves, multiplier=None):
