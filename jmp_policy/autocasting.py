@@ -608,6 +608,8 @@ def _custom_vjp(ctx, eqn, invals, stack, pin):
     def fn_bwd(res, cts):
         cts = [_cast_tangent(c, a) for c, a in zip(cts, orig_call.out_avals)]
         in_cts = p["bwd"].call_wrapped(*res, *cts)
+        if len(in_cts) == 2 and isinstance(in_cts[0], (list, tuple)):
+            in_cts = in_cts[0]  # jax >= 0.11 returns (cotangents, logs); a cotangent is never a list
         out = []
         for ct, x in zip(in_cts, args):
             if not _floating(x):
@@ -642,9 +644,17 @@ def _stable_carry(ctx, body: ClosedJaxpr, before: list, carry: list, after: list
     return carry, None
 
 
+def _scan_sizes(params: dict) -> tuple:
+    """(number of consts, number of carries) of a ``scan`` equation."""
+    if "num_consts" in params:  # jax < 0.11
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()  # jax >= 0.11: a flat tree (consts, carry, xs)
+    return len(consts), len(carry)
+
+
 def _scan(ctx, eqn, invals, stack, pin):
     p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = _scan_sizes(p)
     d = _dtypes(invals)
     consts_d, carry_d, xs_d = d[:nc], d[nc:nc + nk], d[nc + nk:]
     carry_d, body = _stable_carry(ctx, p["jaxpr"], consts_d, carry_d, xs_d, slice(0, nk),
@@ -653,13 +663,20 @@ def _scan(ctx, eqn, invals, stack, pin):
         n_ys = len(p["jaxpr"].out_avals) - nk
         body = _trace(ctx, p["jaxpr"], consts_d + carry_d + xs_d, stack, pin,
                       out_dtypes=carry_d + [None] * n_ys)
-    invals = invals[:nc] + [_cast_float(x, dt) for x, dt in zip(invals[nc:nc + nk], carry_d)] \
-        + invals[nc + nk:]
-    body, hoisted = _hoist(body)
-    params = dict(p, jaxpr=body, num_consts=nc + len(hoisted))
-    if "linear" in p:
-        params["linear"] = (False,) * len(hoisted) + tuple(p["linear"])
-    return eqn.primitive.bind(*hoisted, *invals, **params)
+    consts, xs = invals[:nc], invals[nc + nk:]
+    carry = [_cast_float(x, dt) for x, dt in zip(invals[nc:nc + nk], carry_d)]
+    body_fn = jaxpr_as_fun(body)
+
+    # Re-entered through the public API (the primitive's parameters differ
+    # between JAX versions); the body is already autocast, so this only
+    # re-traces it.
+    def step(carry, x):
+        outs = body_fn(*consts, *carry, *x)
+        return list(outs[:nk]), list(outs[nk:])
+
+    carry, ys = lax.scan(step, carry, list(xs), length=p["length"], reverse=p["reverse"],
+                         unroll=p["unroll"])
+    return [*carry, *ys]
 
 
 def _while(ctx, eqn, invals, stack, pin):

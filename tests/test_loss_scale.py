@@ -282,7 +282,7 @@ def test_all_finite_edge_cases():
     assert bool(jmp_policy.all_finite(big))
 
 
-def test_all_finite_is_one_pass_without_boolean_masks():
+def test_all_finite_is_one_pass_without_boolean_masks(xla_cpu):
     tree = {f"w{i}": jnp.ones((64, 32)) for i in range(20)}
     jaxpr = jax.make_jaxpr(jmp_policy.all_finite)(tree)
     is_finite_inputs = [e.invars[0].aval for e in jaxpr.eqns if e.primitive.name == "is_finite"]
@@ -329,7 +329,7 @@ def _all_finite_reductions_and_bytes(tree):
     return len(re.findall(r"\sreduce\(", compiled.as_text())), cost["bytes accessed"]
 
 
-def test_all_finite_reads_each_leaf_once_in_one_reduction_per_shape():
+def test_all_finite_reads_each_leaf_once_in_one_reduction_per_shape(xla_cpu):
     # float32 gradients of float32 master weights: 12 leaves of one shape and 5
     # of another make two groups, so two reductions, each leaf read once.
     # (Weight-sized leaves: below ~4096 elements, and for float16 leaves,
@@ -341,7 +341,7 @@ def test_all_finite_reads_each_leaf_once_in_one_reduction_per_shape():
     assert leaf_bytes <= bytes_accessed <= 1.02 * leaf_bytes
 
 
-def test_all_finite_concatenates_small_leaves_into_one_reduction():
+def test_all_finite_concatenates_small_leaves_into_one_reduction(xla_cpu):
     # Biases and norm scales of many shapes: one reduction for all of them
     # (a kernel per small shape costs more compile time than the copy),
     # next to the one for the weight-sized group; each read once (+ the copy).

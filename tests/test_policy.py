@@ -641,5 +641,6 @@ def test_import_does_not_initialise_jax_backends():
               "assert jax.device_count() == 3, jax.devices()\n"
               "print('OK')\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+                          env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+                               "JAX_PLATFORMS": "cpu"})  # CPU devices, also on a GPU machine
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]

@@ -443,7 +443,7 @@ def test_skip_is_bit_for_bit_with_either_donated_setting(donated, fused):
 
 @pytest.mark.parametrize("donate", [True, False], ids=["donated", "not-donated"])
 @pytest.mark.parametrize("fused", [False, True], ids=["update", "update_and_apply"])
-def test_no_parameter_sized_copies_when_donated_matches_the_jit(donate, fused):
+def test_no_parameter_sized_copies_when_donated_matches_the_jit(donate, fused, xla_cpu):
     shapes = {"a": (256, 384), "b": (384, 256), "c": (384,)}
     params = {k: jnp.full(s, 0.5) for k, s in shapes.items()}
     grads = {k: jnp.full(s, 0.25) for k, s in shapes.items()}
