@@ -473,6 +473,23 @@ def _at_traced_dtypes(eqn: Any, invals: Sequence[Any]) -> list:
 
 # --- Higher-order primitives ----------------------------------------------------------
 
+class _Params(dict):
+    """An equation's parameters; a missing one means JAX changed the primitive."""
+
+    def __init__(self, eqn: Any):
+        super().__init__(eqn.params)
+        self.primitive = eqn.primitive.name
+
+    def __missing__(self, key: str) -> Any:
+        # Handlers read JAX-internal parameters of higher-order primitives; say so
+        # clearly rather than fail with a bare KeyError (or, worse, compute wrongly).
+        raise NotImplementedError(
+            f"autocast: the {self.primitive!r} primitive of jax {jax.__version__} has no "
+            f"parameter {key!r} (it has {sorted(self)}), so this JAX version changed its "
+            "internals and autocast cannot rewrite it. Please report this with your JAX version."
+        )
+
+
 def _trace(ctx: _Context, closed: ClosedJaxpr, in_dtypes: Sequence[Any], stack: str,
            pin: bool, out_dtypes: Optional[Sequence[Any]] = None) -> ClosedJaxpr:
     """``closed`` autocast for inputs of ``in_dtypes``, as a new closed jaxpr."""
@@ -505,26 +522,26 @@ def _dtypes(values: Sequence[Any]) -> list:
 def _jit(ctx, eqn, invals, stack, pin):
     # Rebinding the primitive (rather than inlining) keeps in/out shardings, donation,
     # layouts, the name and compiler options exactly as the user wrote them.
-    jaxpr = _trace(ctx, eqn.params["jaxpr"], _dtypes(invals), stack, pin)
+    jaxpr = _trace(ctx, _Params(eqn)["jaxpr"], _dtypes(invals), stack, pin)
     return eqn.primitive.bind(*invals, **dict(eqn.params, jaxpr=jaxpr))
 
 
 def _closed_call(ctx, eqn, invals, stack, pin):
-    closed = eqn.params["call_jaxpr"]
+    closed = _Params(eqn)["call_jaxpr"]
     if isinstance(closed, ClosedJaxpr):
         return _eval_jaxpr(ctx, closed.jaxpr, closed.consts, invals, stack, pin)
     return _eval_jaxpr(ctx, closed, (), invals, stack, pin)
 
 
 def _remat(ctx, eqn, invals, stack, pin):
-    p = eqn.params
+    p = _Params(eqn)
     fn = functools.partial(_eval_jaxpr, ctx, p["jaxpr"], (), prefix=stack, pinned=pin)
     remat = jax.checkpoint(lambda *a: fn(a), prevent_cse=p["prevent_cse"], policy=p["policy"])
     return remat(*invals)
 
 
 def _custom_jvp(ctx, eqn, invals, stack, pin):
-    p = eqn.params
+    p = _Params(eqn)
     n_consts = p["num_consts"]
     consts, args = invals[:n_consts], invals[n_consts:]
     call = _trace(ctx, p["call_jaxpr"], _dtypes(invals), stack, pin)
@@ -575,7 +592,7 @@ def _cast_float(x: Any, dtype: Any) -> Any:
 
 
 def _custom_vjp(ctx, eqn, invals, stack, pin):
-    p = eqn.params
+    p = _Params(eqn)
     n_consts = p["num_consts"]
     consts, args = invals[:n_consts], invals[n_consts:]
     orig_call: ClosedJaxpr = p["call_jaxpr"]
@@ -610,6 +627,12 @@ def _custom_vjp(ctx, eqn, invals, stack, pin):
         in_cts = p["bwd"].call_wrapped(*res, *cts)
         if len(in_cts) == 2 and isinstance(in_cts[0], (list, tuple)):
             in_cts = in_cts[0]  # jax >= 0.11 returns (cotangents, logs); a cotangent is never a list
+        if len(in_cts) != len(args):  # never zip a changed structure into wrong gradients
+            raise NotImplementedError(
+                f"autocast: the backward rule of {_func_name(orig_call)!r} returned "
+                f"{len(in_cts)} cotangents for {len(args)} arguments under jax "
+                f"{jax.__version__}, whose custom_vjp internals autocast does not know. "
+                "Please report this with your JAX version.")
         out = []
         for ct, x in zip(in_cts, args):
             if not _floating(x):
@@ -653,7 +676,7 @@ def _scan_sizes(params: dict) -> tuple:
 
 
 def _scan(ctx, eqn, invals, stack, pin):
-    p = eqn.params
+    p = _Params(eqn)
     nc, nk = _scan_sizes(p)
     d = _dtypes(invals)
     consts_d, carry_d, xs_d = d[:nc], d[nc:nc + nk], d[nc + nk:]
@@ -680,7 +703,7 @@ def _scan(ctx, eqn, invals, stack, pin):
 
 
 def _while(ctx, eqn, invals, stack, pin):
-    p = eqn.params
+    p = _Params(eqn)
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
     d = _dtypes(invals)
     cond_d, body_d, carry_d = d[:cn], d[cn:cn + bn], d[cn + bn:]
@@ -699,7 +722,7 @@ def _while(ctx, eqn, invals, stack, pin):
 
 
 def _cond(ctx, eqn, invals, stack, pin):
-    p = eqn.params
+    p = _Params(eqn)
     index, ops = invals[0], invals[1:]
     d = _dtypes(ops)
     traced = [_trace(ctx, b, d, stack, pin) for b in p["branches"]]
@@ -733,7 +756,7 @@ def _hoist(closed: ClosedJaxpr) -> tuple:
 def _shard_map(ctx, eqn, invals, stack, pin):
     # Re-entered through the public API, which sets up the manual-axes context the
     # body's collectives and varying-manual-axes types need.
-    p = eqn.params
+    p = _Params(eqn)
     body = functools.partial(_eval_jaxpr, ctx, p["jaxpr"], (), prefix=stack, pinned=pin)
     mapped = jax.shard_map(
         lambda *args: tuple(body(args)), mesh=p["mesh"], in_specs=p["in_specs"],
