@@ -42,7 +42,8 @@ import optax
 import jmp_policy
 from bench_check_floor import _checked_by, _fused_variant
 from bench_loss_scaling import _cost, build_variants, optimizer_only_workload
-from jmp_policy.loss_scale import _nonfinite_sum, is_floating_dtype
+from jmp_policy._dtypes import is_floating_dtype
+from jmp_policy.loss_scale import _nonfinite_sum
 
 PEERS = ("jmp_policy.loss_scaling(adam)", "jmp_policy ... .update_and_apply",
          "optax.apply_if_finite(adam)", "Keras LossScaleOptimizer(Adam)", "jmp recipe (select_tree)")
