@@ -51,7 +51,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp
-import optax
 
 import jmp_policy
 from bench_loss_scaling import (
@@ -66,13 +65,9 @@ def wall_floor(params_count: float, leaves: int, rounds: int, iters: int) -> Non
     params, grads, desc, _ = optimizer_only_workload(params_count, leaves)
     n = sum(x.size for x in jax.tree.leaves(grads))
     contiguous = jnp.ones((n // 1024, 1024), jnp.float32)
-    adam = optax.adam(1e-3)
-
-    def adam_step(p, s, g):
-        updates, s = adam.update(g, s, p)
-        return optax.apply_updates(p, updates), s
-
-    step = jax.jit(adam_step, donate_argnums=(0, 1)).lower(params, adam.init(params), grads).compile()
+    adam = build_variants("opt", None, [], True)[0]  # plain optax.adam, as in bench_loss_scaling
+    step = jax.jit(adam.step, donate_argnums=(0, 1)).lower(params, adam.init_state(params), grads)
+    step = step.compile()
     check = jax.jit(jmp_policy.all_finite).lower(grads).compile()
     whole = jax.jit(jmp_policy.all_finite).lower(contiguous).compile()
     variadic = jax.jit(lambda g: jnp.isfinite(_variadic_nonfinite_sum(jax.tree.leaves(g))))
@@ -81,7 +76,7 @@ def wall_floor(params_count: float, leaves: int, rounds: int, iters: int) -> Non
     overflowing = {"w": jnp.full((4,), 3e38, jnp.float32)}
     assert bool(jmp_policy.all_finite(overflowing)) and not bool(_plain_sum(overflowing))
     p = jax.tree.map(jnp.array, params)
-    s = adam.init(p)
+    s = adam.init_state(p)
 
     def timed(fn, *args):
         t0 = time.perf_counter()

@@ -37,7 +37,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp
-import optax
 
 import jmp_policy
 from bench_check_floor import _checked_by, _fused_variant
@@ -62,12 +61,9 @@ def per_leaf_check(leaves, multiplier=None):
     return total
 
 
-def diagnostic_steps():
-    adam = optax.adam(1e-3)
-
-    def plain(p, s, g):
-        updates, s = adam.update(g, s, p)
-        return optax.apply_updates(p, updates), s
+def diagnostic_steps(baseline):
+    """The diagnostic forms, around ``baseline`` (bench_loss_scaling's plain Adam step)."""
+    plain, init = baseline.step, baseline.init_state
 
     def finite(g):
         return jnp.isfinite(_nonfinite_sum(jax.tree.leaves(g)))
@@ -82,8 +78,8 @@ def diagnostic_steps():
         pred = jnp.isfinite(jax.tree.leaves(g)[0].ravel()[0])
         return jax.lax.cond(pred, plain, lambda p, s, g: (p, s), p, s, g)
 
-    return [("optax.adam (baseline)", plain, adam.init), ("check+select", check_select, adam.init),
-            ("check+cond", check_cond, adam.init), ("cond only", cond_only, adam.init)]
+    return [(baseline.name, plain, init), ("check+select", check_select, init),
+            ("check+cond", check_cond, init), ("cond only", cond_only, init)]
 
 
 def main(argv=None) -> int:
@@ -102,8 +98,8 @@ def main(argv=None) -> int:
         desc += ", every leaf cut to one element"
     print(f"jax {jax.__version__} on {jax.devices()}; {desc}; donated")
 
-    recipes = [(*r, None) for r in diagnostic_steps()]
     variants = {v.name: v for v in build_variants("opt", None, [], True)}
+    recipes = [(*r, None) for r in diagnostic_steps(variants["optax.adam (baseline)"])]
     recipes += [(name, variants[name].step, variants[name].init_state, None) for name in PEERS]
     v = _fused_variant("opt", None, True)
     recipes.append(("loss_scaling, check per leaf", v.step, v.init_state, per_leaf_check))
