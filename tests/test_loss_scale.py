@@ -272,6 +272,59 @@ def test_all_finite_catches_a_single_nan_in_large_leaves():
                 assert not bool(check(jax.tree_util.tree_unflatten(treedef, broken))), (i, bad, index)
 
 
+
+def _count_dots(fn, *args):
+    return len(re.findall(r"\sdot\(", jax.jit(fn).lower(*args).compile().as_text()))
+
+
+@pytest.mark.parametrize("form", ["matvec", "grouped"])
+def test_both_forms_of_the_check_are_exact_on_large_leaves(form, xla_cpu):
+    # XLA:CPU checks large float32 leaves as `x @ zeros` (one matrix-vector
+    # product each); other backends use the grouped `sum(x * 0)`, tested here
+    # on the CPU too. Both must see every non-finite element, anywhere, and
+    # must not mistake the largest finite values for overflow.
+    from jmp_policy import loss_scale
+
+    check = jax.jit({"matvec": loss_scale._matvec_nonfinite_sum,
+                     "grouped": loss_scale._grouped_nonfinite_sum}[form])
+    big = float(np.finfo(np.float32).max)
+    leaves = [jnp.full((512, 256), big), jnp.full((300, 256), -big),  # 76800 elements
+              jnp.ones((4, 128, 128)), jnp.full((4096, 16), big)]
+    assert all(loss_scale._matvec_checkable(x) for x in leaves)
+    assert _count_dots(check, leaves) == (len(leaves) if form == "matvec" else 0)
+    assert float(check(leaves)) == 0.0
+    special = jnp.array([0.0, -0.0, 1e-45, -1e-40, big, -big], jnp.float32)
+    assert float(check([jnp.resize(special, (600, 128))])) == 0.0
+    for i, leaf in enumerate(leaves):
+        for bad in (np.nan, np.inf, -np.inf):
+            for index in ((0,) * leaf.ndim, tuple(d - 1 for d in leaf.shape),
+                          tuple(d // 2 for d in leaf.shape), tuple(d // 3 for d in leaf.shape)):
+                broken = list(leaves)
+                broken[i] = leaf.at[index].set(bad)
+                assert np.isnan(float(check(broken))), (i, bad, index)
+
+
+def test_all_finite_takes_the_matrix_vector_form_only_where_it_pays(xla_cpu):
+    tree = {
+        "kernel": jnp.ones((512, 256)),            # large float32: a product
+        "embed": jnp.ones((1000, 96)),             # large float32: a product
+        "small": jnp.ones((128, 128)),             # below 65536 elements: grouped
+        "half": jnp.ones((512, 256), jnp.float16),  # not float32: grouped
+        "wide_row": jnp.ones((16, 8192)),          # the zero vector would be large: grouped
+        "column": jnp.ones((70000, 1)),            # rows too short: grouped
+        "bias": jnp.ones((256,)),
+    }
+    assert _count_dots(jmp_policy.all_finite, tree) == 2
+    check = jax.jit(jmp_policy.all_finite)
+    assert bool(check(tree))
+    for name in tree:
+        broken = dict(tree, **{name: tree[name].reshape(-1).at[-1].set(np.nan).reshape(tree[name].shape)})
+        assert not bool(check(broken)), name
+    # A zero vector that XLA could see as zero would let it fold `x @ 0` away.
+    hlo = jax.jit(jmp_policy.all_finite).lower(tree).as_text()
+    assert "optimization_barrier" in hlo
+
+
 def test_all_finite_edge_cases():
     assert bool(jmp_policy.all_finite(None)) and bool(jmp_policy.all_finite({}))
     assert bool(jmp_policy.all_finite({"step": jnp.int32(3), "mask": jnp.array([True])}))
