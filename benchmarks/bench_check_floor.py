@@ -6,10 +6,13 @@ step's. This measures that floor on the optimizer-only workload of
 ``bench_loss_scaling.py`` (same shapes), in one process, interleaved:
 
 * ``adam``: a donated plain ``optax.adam`` step (update + apply_updates);
-* ``check``: jmp_policy's finiteness check alone (``all_finite`` of the grads);
+* ``check``: jmp_policy's finiteness check alone (``all_finite`` of the grads;
+  on XLA:CPU, one matrix-vector product ``x @ zeros`` per large float32 leaf);
+* ``grouped``: the form of the check on other backends (and on XLA:CPU for
+  small or non-float32 leaves): one fused ``sum(x * 0)`` per shape group;
 * ``variadic``: the check variant of the ``--lm-layout`` experiment below;
-* ``contiguous``: the same check over ONE contiguous array holding as many
-  float32 elements as all the gradients together -- the best case for this
+* ``contiguous``: the grouped check over ONE contiguous array holding as many
+  float32 elements as all the gradients together -- the best case for that
   reduction (gradients live in separate buffers; concatenating them would copy
   them, so no real check gets this);
 * ``plain sum``: one bare ``sum(x)`` per gradient leaf, with no elementwise op
@@ -20,16 +23,16 @@ step's. This measures that floor on the optimizer-only workload of
   costs on XLA:CPU.
 
 ``check / adam`` is roughly what the check adds to the wall time of a donated
-step; ``contiguous / adam`` is the lower bound for this exact check; ``plain
-sum / adam`` for any reduction of the gradients. Run it once normally and once
-pinned to one core (``taskset -c 0``) to see whether the reductions use several
-threads.
+step; ``contiguous / adam`` is the lower bound for the fused ``sum(x * 0)``;
+``plain sum / adam`` for any reduction of the gradients. Run it once normally
+and once pinned to one core (``taskset -c 0``) to see whether the reductions
+use several threads.
 
 ``--lm-layout`` also prints XLA's bytes accessed for the full LM train step of
-``bench_loss_scaling.py`` with the shipped check and with a variant that feeds
-each per-shape sum to a 2-operand (variadic) reduction, which makes XLA:CPU
-give the gradients the default layout (the trade-off is discussed in
-``RESULTS.md``).
+``bench_loss_scaling.py`` with the shipped check, the grouped one, and a
+variant of the grouped one that feeds each per-shape sum to a 2-operand
+(variadic) reduction, which makes XLA:CPU give the gradients the default
+layout (the trade-off is discussed in ``RESULTS.md``).
 
 Example::
 
@@ -53,6 +56,7 @@ import jax
 import jax.numpy as jnp
 
 import jmp_policy
+from jmp_policy import loss_scale
 from bench_loss_scaling import (
     _compile_once, _cost, build_variants, lm_workload, optimizer_only_workload)
 
@@ -69,6 +73,8 @@ def wall_floor(params_count: float, leaves: int, rounds: int, iters: int) -> Non
     step = jax.jit(adam.step, donate_argnums=(0, 1)).lower(params, adam.init_state(params), grads)
     step = step.compile()
     check = jax.jit(jmp_policy.all_finite).lower(grads).compile()
+    grouped = jax.jit(lambda g: jnp.isfinite(loss_scale._grouped_nonfinite_sum(jax.tree.leaves(g))))
+    grouped = grouped.lower(grads).compile()
     whole = jax.jit(jmp_policy.all_finite).lower(contiguous).compile()
     variadic = jax.jit(lambda g: jnp.isfinite(_variadic_nonfinite_sum(jax.tree.leaves(g))))
     variadic = variadic.lower(grads).compile()
@@ -85,7 +91,7 @@ def wall_floor(params_count: float, leaves: int, rounds: int, iters: int) -> Non
         jax.block_until_ready(out)
         return (time.perf_counter() - t0) / iters
 
-    times = {"adam": [], "check": [], "contiguous": [], "variadic": [], "plain": []}
+    times = {"adam": [], "check": [], "grouped": [], "contiguous": [], "variadic": [], "plain": []}
     for _ in range(rounds):  # interleaved, so that load from elsewhere hits all alike
         t0 = time.perf_counter()
         for _ in range(iters):
@@ -93,6 +99,7 @@ def wall_floor(params_count: float, leaves: int, rounds: int, iters: int) -> Non
         jax.block_until_ready(p)
         times["adam"].append((time.perf_counter() - t0) / iters)
         times["check"].append(timed(check, grads))
+        times["grouped"].append(timed(grouped, grads))
         times["contiguous"].append(timed(whole, contiguous))
         times["variadic"].append(timed(variadic, grads))
         times["plain"].append(timed(plain, grads))
@@ -100,6 +107,7 @@ def wall_floor(params_count: float, leaves: int, rounds: int, iters: int) -> Non
     print(f"{desc}; {os.cpu_count()} CPUs visible, affinity {len(os.sched_getaffinity(0))}")
     print(f"  donated adam step  {ms['adam']:.3f} ms")
     print(f"  check (all_finite) {ms['check']:.3f} ms = {ms['check'] / ms['adam']:.3f}x of the step")
+    print(f"  grouped sum(x * 0) {ms['grouped']:.3f} ms = {ms['grouped'] / ms['adam']:.3f}x of the step")
     print(f"  contiguous check   {ms['contiguous']:.3f} ms = {ms['contiguous'] / ms['adam']:.3f}x of the step")
     print(f"  variadic check     {ms['variadic']:.3f} ms = {ms['variadic'] / ms['adam']:.3f}x of the step "
           "(the --lm-layout variant)")
@@ -114,9 +122,7 @@ def _plain_sum(grads) -> jax.Array:
 
 
 def _variadic_nonfinite_sum(leaves, multiplier=None):
-    """The shipped check, but each per-shape sum goes through a 2-operand reduce."""
-    from jmp_policy import loss_scale
-
+    """The grouped check, but each per-shape sum goes through a 2-operand reduce."""
     if multiplier is not None:
         return loss_scale._nonfinite_sum(leaves, multiplier)
     groups: dict = {}
@@ -149,7 +155,8 @@ def _checked_by(check):
         transform._nonfinite_sum = shipped
 
 
-_CHECKS = (("shipped", None), ("variadic", _variadic_nonfinite_sum))
+_CHECKS = (("shipped", None), ("grouped", loss_scale._grouped_nonfinite_sum),
+           ("variadic", _variadic_nonfinite_sum))
 
 
 def _fused_variant(workload: str, loss_fn, donate: bool):
@@ -169,14 +176,15 @@ def lm_layout(params_count: float, leaves: int, compile_reps: int) -> None:
             # A fresh jit per check: the check is read at trace time.
             jitted[name] = (jax.jit(v.step, donate_argnums=(0, 1)), state)
             _, compiled = _compile_once(jitted[name][0], params, state, grads)
-            kernels[name] = compiled.as_text().count("__ynn_fusion")
+            hlo = compiled.as_text()
+            kernels[name] = (hlo.count("__ynn_fusion"), hlo.count(" dot("))
         seconds[name] = []
     for _ in range(compile_reps):  # interleaved: compile time drifts on a shared machine
         for name, check in _CHECKS:
             with _checked_by(check):
                 seconds[name].append(_compile_once(jitted[name][0], params, jitted[name][1], grads)[0])
     for name in seconds:
-        print(f"  {name} check: {kernels[name]} YNNPACK kernels, compile "
+        print(f"  {name} check: {kernels[name][0]} YNNPACK kernels, {kernels[name][1]} dots, compile "
               f"{_median_ms(seconds[name]):.0f} ms (median of {compile_reps})")
 
     params, tokens, desc, loss_fn = lm_workload(1024, 128, 2, 4, 64, 8)

@@ -460,15 +460,17 @@ def _matvec_nonfinite_sum(leaves) -> jax.Array:
     total = _grouped_nonfinite_sum(rest)
     if not dotted:
         return total
-    # A zero that XLA cannot see is zero: folding `x @ 0` to 0 would hide NaNs.
-    zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))
-    rows = [
-        jax.lax.dot(x.reshape(-1, x.shape[-1]),
-                    jnp.broadcast_to(zero.astype(x.dtype), x.shape[-1:]),
-                    precision=jax.lax.Precision.HIGHEST).astype(jnp.float32)
-        for x in dotted
-    ]
-    return total + jnp.sum(jnp.concatenate(rows))
+    # One product per leaf; products of the same length are added elementwise
+    # first, so that the HLO holds one small reduction per length, not per leaf.
+    rows: dict = {}
+    for x in dotted:
+        m = x.reshape(-1, x.shape[-1])
+        zeros = jnp.zeros(m.shape[1:], m.dtype)
+        rows.setdefault(m.shape[0], []).append(
+            jax.lax.dot(m, zeros, precision=jax.lax.Precision.HIGHEST))
+    for same_length in rows.values():
+        total = total + jnp.sum(functools.reduce(jnp.add, same_length))
+    return total
 
 
 def _matvec_checkable(x: jax.Array) -> bool:

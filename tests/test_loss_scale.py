@@ -320,9 +320,6 @@ def test_all_finite_takes_the_matrix_vector_form_only_where_it_pays(xla_cpu):
     for name in tree:
         broken = dict(tree, **{name: tree[name].reshape(-1).at[-1].set(np.nan).reshape(tree[name].shape)})
         assert not bool(check(broken)), name
-    # A zero vector that XLA could see as zero would let it fold `x @ 0` away.
-    hlo = jax.jit(jmp_policy.all_finite).lower(tree).as_text()
-    assert "optimization_barrier" in hlo
 
 
 def test_all_finite_edge_cases():
