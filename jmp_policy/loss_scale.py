@@ -467,6 +467,8 @@ def _matvec_nonfinite_sum(leaves) -> jax.Array:
     for x in dotted:
         m = x.reshape(-1, x.shape[-1])
         zeros = jnp.zeros(m.shape[1:], m.dtype)
+        # HIGHEST: a reduced-precision pass could round values near the float32
+        # maximum up to inf, and inf * 0 would read as non-finite.
         rows.setdefault(m.shape[0], []).append(
             jax.lax.dot(m, zeros, precision=jax.lax.Precision.HIGHEST))
     for same_length in rows.values():

@@ -272,7 +272,6 @@ def test_all_finite_catches_a_single_nan_in_large_leaves():
                 assert not bool(check(jax.tree_util.tree_unflatten(treedef, broken))), (i, bad, index)
 
 
-
 def _count_dots(fn, *args):
     return len(re.findall(r"\sdot\(", jax.jit(fn).lower(*args).compile().as_text()))
 

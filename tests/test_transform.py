@@ -201,7 +201,7 @@ def _all_primitives(jaxpr):
             yield from _all_primitives(sub)
 
 
-def test_update_jaxpr_has_one_cond_no_callbacks_and_no_boolean_masks():
+def test_update_jaxpr_has_one_cond_no_callbacks_and_no_boolean_masks(xla_cpu):
     params = make_params()
     tx = jmp_policy.loss_scaling(optax.adam(1e-3), "dynamic")
     state = tx.init(params)
@@ -214,6 +214,7 @@ def test_update_jaxpr_has_one_cond_no_callbacks_and_no_boolean_masks():
     platform = {v for e in closed.jaxpr.eqns if e.primitive.name == "platform_index" for v in e.outvars}
     conds = [e for e in closed.jaxpr.eqns if e.primitive.name == "cond"]
     assert len([e for e in conds if e.invars[0] not in platform]) == 1
+    # (XLA:GPU may turn the cond into selects: counted on XLA:CPU.)
     hlo = jax.jit(tx.update).lower(grads_like(params, 1.0), state, params).compile().as_text()
     assert hlo.count(" conditional(") == 1
     # Finiteness: a single scalar isfinite outside the branches, no per-element masks.
