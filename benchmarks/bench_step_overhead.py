@@ -13,10 +13,11 @@ prints, per step (median of interleaved rounds):
 plus XLA's bytes accessed, fusions and ``conditional`` ops of the compiled
 step (XLA:GPU sometimes turns a ``lax.cond`` into per-leaf selects).
 
-Besides the recipes of ``bench_loss_scaling.py`` it times three diagnostic
+Besides the recipes of ``bench_loss_scaling.py`` it times four diagnostic
 forms built on plain Adam: ``check+select`` (jmp_policy's finiteness check,
 then ``select_tree``), ``check+cond`` (the check, then a ``lax.cond`` around
-Adam) and ``cond only`` (a ``lax.cond`` on one gradient element: the cost of
+Adam), ``check+cond+unscale`` (the same, with Adam fed ``g * (1 / scale)``)
+and ``cond only`` (a ``lax.cond`` on one gradient element: the cost of
 the conditional itself); and ``loss_scaling, check per leaf``, jmp_policy with
 one reduction per leaf instead of one per shape group.
 
@@ -78,8 +79,23 @@ def diagnostic_steps(baseline):
         pred = jnp.isfinite(jax.tree.leaves(g)[0].ravel()[0])
         return jax.lax.cond(pred, plain, lambda p, s, g: (p, s), p, s, g)
 
+    def init_with_scale(p):
+        return init(p), jnp.float32(2.0**15)
+
+    def check_cond_unscale(p, state, g):
+        # check+cond, plus the `1 / scale` multiply of a loss-scaled step (the
+        # scale is state, so XLA cannot fold it into a constant).
+        s, scale = state
+
+        def update(p, s, g):
+            return plain(p, s, jax.tree.map(lambda x: x * (1 / scale), g))
+
+        p, s = jax.lax.cond(finite(g), update, lambda p, s, g: (p, s), p, s, g)
+        return p, (s, scale)
+
     return [(baseline.name, plain, init), ("check+select", check_select, init),
-            ("check+cond", check_cond, init), ("cond only", cond_only, init)]
+            ("check+cond", check_cond, init), ("check+cond+unscale", check_cond_unscale, init_with_scale),
+            ("cond only", cond_only, init)]
 
 
 def main(argv=None) -> int:
