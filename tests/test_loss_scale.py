@@ -321,6 +321,16 @@ def test_all_finite_takes_the_matrix_vector_form_only_where_it_pays(xla_cpu):
         assert not bool(check(broken)), name
 
 
+
+def test_all_finite_under_vmap_answers_per_example(xla_cpu):
+    # Under vmap the product form becomes a batched product: one answer per
+    # example, for large (product) and small (grouped) leaves alike.
+    tree = {"w": jnp.ones((4, 512, 256)), "b": jnp.ones((4, 256))}
+    tree["w"] = tree["w"].at[2, 100, 7].set(np.inf)
+    tree["b"] = tree["b"].at[0, 3].set(np.nan)
+    for check in (jax.vmap(jmp_policy.all_finite), jax.jit(jax.vmap(jmp_policy.all_finite))):
+        np.testing.assert_array_equal(check(tree), [False, True, False, True])
+
 def test_all_finite_edge_cases():
     assert bool(jmp_policy.all_finite(None)) and bool(jmp_policy.all_finite({}))
     assert bool(jmp_policy.all_finite({"step": jnp.int32(3), "mask": jnp.array([True])}))
