@@ -321,7 +321,6 @@ def test_all_finite_takes_the_matrix_vector_form_only_where_it_pays(xla_cpu):
         assert not bool(check(broken)), name
 
 
-
 def test_all_finite_under_vmap_answers_per_example(xla_cpu):
     # Under vmap the product form becomes a batched product: one answer per
     # example, for large (product) and small (grouped) leaves alike.
