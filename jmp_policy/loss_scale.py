@@ -456,8 +456,9 @@ def _matvec_nonfinite_sum(leaves) -> jax.Array:
     where the fused ``sum(x * 0)`` takes 0.20x-0.22x (``bench_check_floor.py``).
     Each product is compiled as a kernel of its own (~6-9 ms of compile time).
     """
-    dotted = [x for x in leaves if _matvec_checkable(x)]
-    rest = [x for x in leaves if not _matvec_checkable(x)]
+    dotted, rest = [], []
+    for x in leaves:
+        (dotted if _matvec_checkable(x) else rest).append(x)
     total = _grouped_nonfinite_sum(rest)
     if not dotted:
         return total
