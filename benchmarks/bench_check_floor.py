@@ -11,6 +11,11 @@ step's. This measures that floor on the optimizer-only workload of
 * ``grouped``: the form of the check on other backends (and on XLA:CPU for
   small or non-float32 leaves): one fused ``sum(x * 0)`` per shape group;
 * ``variadic``: the check variant of the ``--lm-layout`` experiment below;
+* ``column``: another exact form that XLA:CPU compiles with LLVM instead of
+  YNNPACK: per large leaf, a column reduction of ``x.reshape(-1, 256)`` with
+  the absorbing reducer ``a + b * 0`` (see `_column_nonfinite_sum`). It runs
+  as fast as the matrix-vector products; ``--lm-layout`` shows its compile
+  time and LM bytes;
 * ``contiguous``: the grouped check over ONE contiguous array holding as many
   float32 elements as all the gradients together -- the best case for that
   reduction (gradients live in separate buffers; concatenating them would copy
@@ -58,7 +63,7 @@ import jax.numpy as jnp
 import jmp_policy
 from jmp_policy import loss_scale
 from bench_loss_scaling import (
-    _compile_once, _cost, build_variants, lm_workload, optimizer_only_workload)
+    _compile_once, _cost, build_variants, hlo_instruction_count, lm_workload, optimizer_only_workload)
 
 
 def _median_ms(samples) -> float:
@@ -80,8 +85,14 @@ def wall_floor(params_count: float, leaves: int, rounds: int, iters: int) -> Non
     variadic = jax.jit(lambda g: jnp.isfinite(_variadic_nonfinite_sum(jax.tree.leaves(g))))
     variadic = variadic.lower(grads).compile()
     plain = jax.jit(_plain_sum).lower(grads).compile()
+    column = jax.jit(lambda g: jnp.isfinite(_column_nonfinite_sum(jax.tree.leaves(g))))
+    column = column.lower(grads).compile()
     overflowing = {"w": jnp.full((4,), 3e38, jnp.float32)}
     assert bool(jmp_policy.all_finite(overflowing)) and not bool(_plain_sum(overflowing))
+    big = jnp.full((512, 256), 3e38, jnp.float32)
+    assert bool(jnp.isfinite(_column_nonfinite_sum([big, -big])))
+    assert not any(bool(jnp.isfinite(_column_nonfinite_sum([big, big.at[300, 7].set(bad)])))
+                   for bad in (jnp.nan, jnp.inf, -jnp.inf))
     p = jax.tree.map(jnp.array, params)
     s = adam.init_state(p)
 
@@ -92,7 +103,8 @@ def wall_floor(params_count: float, leaves: int, rounds: int, iters: int) -> Non
         jax.block_until_ready(out)
         return (time.perf_counter() - t0) / iters
 
-    times = {"adam": [], "check": [], "grouped": [], "contiguous": [], "variadic": [], "plain": []}
+    times = {"adam": [], "check": [], "grouped": [], "contiguous": [], "variadic": [], "column": [],
+             "plain": []}
     for _ in range(rounds):  # interleaved, so that load from elsewhere hits all alike
         t0 = time.perf_counter()
         for _ in range(iters):
@@ -103,6 +115,7 @@ def wall_floor(params_count: float, leaves: int, rounds: int, iters: int) -> Non
         times["grouped"].append(timed(grouped, grads))
         times["contiguous"].append(timed(whole, contiguous))
         times["variadic"].append(timed(variadic, grads))
+        times["column"].append(timed(column, grads))
         times["plain"].append(timed(plain, grads))
     ms = {k: _median_ms(v) for k, v in times.items()}
     print(f"{desc}; {os.cpu_count()} CPUs visible, affinity {len(os.sched_getaffinity(0))}")
@@ -112,6 +125,8 @@ def wall_floor(params_count: float, leaves: int, rounds: int, iters: int) -> Non
     print(f"  contiguous check   {ms['contiguous']:.3f} ms = {ms['contiguous'] / ms['adam']:.3f}x of the step")
     print(f"  variadic check     {ms['variadic']:.3f} ms = {ms['variadic'] / ms['adam']:.3f}x of the step "
           "(the --lm-layout variant)")
+    print(f"  column reductions  {ms['column']:.3f} ms = {ms['column'] / ms['adam']:.3f}x of the step "
+          "(a + b * 0, compiled by LLVM)")
     print(f"  plain sum per leaf {ms['plain']:.3f} ms = {ms['plain'] / ms['adam']:.3f}x of the step "
           "(not exact: overflow reads as non-finite)")
 
@@ -143,6 +158,32 @@ def _variadic_nonfinite_sum(leaves, multiplier=None):
     return total
 
 
+def _column_nonfinite_sum(leaves, multiplier=None):
+    """The check with each large leaf as a column reduction under ``a + b * 0``.
+
+    The reducer keeps ``a`` (0, one of the leaf's values, or non-finite) and
+    turns ``b`` into 0 or NaN, so no partial result ever grows: it cannot
+    overflow, a non-finite value always reaches the result, and that holds
+    in whatever order XLA combines elements and partials. Not a YNNPACK
+    pattern, so XLA:CPU compiles each leaf shape with LLVM (the cost this
+    variant shows); smaller leaves take the grouped form.
+    """
+    if multiplier is not None:
+        return loss_scale._nonfinite_sum(leaves, multiplier)
+    columns, rest = [], []
+    for x in leaves:
+        if (jnp.issubdtype(x.dtype, jnp.floating) and x.size >= loss_scale._MATVEC_LEAF
+                and x.size % 256 == 0):
+            columns.append(jax.lax.reduce(x.reshape(-1, 256), jnp.zeros((), x.dtype),
+                                          lambda a, b: a + b * 0, (0,)))
+        elif jnp.issubdtype(x.dtype, jnp.floating) and x.size:
+            rest.append(x)
+    total = loss_scale._grouped_nonfinite_sum(rest)
+    if columns:  # 256 values each: 0, leaf values or non-finite; * 0 before adding keeps it exact
+        total = total + jnp.sum(functools.reduce(jnp.add, [c * 0 for c in columns])).astype(jnp.float32)
+    return total
+
+
 @contextlib.contextmanager
 def _checked_by(check):
     """Makes `loss_scaling` trace with ``check`` as its finiteness check."""
@@ -157,7 +198,7 @@ def _checked_by(check):
 
 
 _CHECKS = (("shipped", None), ("grouped", loss_scale._grouped_nonfinite_sum),
-           ("variadic", _variadic_nonfinite_sum))
+           ("variadic", _variadic_nonfinite_sum), ("column", _column_nonfinite_sum))
 
 
 def _fused_variant(workload: str, loss_fn, donate: bool):
@@ -165,11 +206,15 @@ def _fused_variant(workload: str, loss_fn, donate: bool):
 
 
 def lm_layout(params_count: float, leaves: int, compile_reps: int) -> None:
-    # Its cost on the optimizer-only step: the variadic reduction is not a
-    # YNNPACK kernel on XLA:CPU, so it is compiled by LLVM.
+    # Compile time of each check on the optimizer-only step: the checks that
+    # are not YNNPACK kernels on XLA:CPU are compiled by LLVM.
     params, grads, desc, _ = optimizer_only_workload(params_count, leaves)
     print(desc + ", donated, update_and_apply:")
-    jitted, kernels, seconds = {}, {}, {}
+    adam = build_variants("opt", None, [], True)[0]
+    jitted = {"plain adam": (jax.jit(adam.step, donate_argnums=(0, 1)), adam.init_state(params))}
+    _, compiled = _compile_once(jitted["plain adam"][0], params, jitted["plain adam"][1], grads)
+    figures = {"plain adam": (_cost(compiled)["bytes accessed"], hlo_instruction_count(compiled.as_text()))}
+    kernels, seconds = {}, {"plain adam": []}
     for name, check in _CHECKS:
         with _checked_by(check):
             v = _fused_variant("opt", None, True)
@@ -179,14 +224,20 @@ def lm_layout(params_count: float, leaves: int, compile_reps: int) -> None:
             _, compiled = _compile_once(jitted[name][0], params, state, grads)
             hlo = compiled.as_text()
             kernels[name] = (hlo.count("__ynn_fusion"), hlo.count(" dot("))
+            figures[name] = (_cost(compiled)["bytes accessed"], hlo_instruction_count(hlo))
         seconds[name] = []
+    checks = (("plain adam", None),) + _CHECKS
     for _ in range(compile_reps):  # interleaved: compile time drifts on a shared machine
-        for name, check in _CHECKS:
+        for name, check in checks:
             with _checked_by(check):
                 seconds[name].append(_compile_once(jitted[name][0], params, jitted[name][1], grads)[0])
-    for name in seconds:
+    base = _median_ms(seconds["plain adam"])
+    print(f"  plain adam: compile {base:.0f} ms (median of {compile_reps})")
+    for name, _ in _CHECKS:
+        ratios = [a / b for a, b in zip(figures[name], figures["plain adam"])]
         print(f"  {name} check: {kernels[name][0]} YNNPACK kernels, {kernels[name][1]} dots, compile "
-              f"{_median_ms(seconds[name]):.0f} ms (median of {compile_reps})")
+              f"{_median_ms(seconds[name]):.0f} ms = {_median_ms(seconds[name]) / base:.2f}x, "
+              f"bytes {ratios[0]:.3f}x, HLO instructions {ratios[1]:.2f}x")
 
     params, tokens, desc, loss_fn = lm_workload(1024, 128, 2, 4, 64, 8)
     print(desc)
