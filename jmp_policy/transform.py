@@ -44,6 +44,7 @@ from jmp_policy.loss_scale import (
     NoOpLossScale,
     StaticLossScale,
     _nonfinite_sum,
+    _scale_leaves,
     as_loss_scale,
 )
 from jmp_policy.policy import Policy
@@ -141,9 +142,14 @@ def loss_scaling(
                 f"transformation's init), got {type(state).__name__}."
             )
         scale = state.loss_scale
+        # A traced scale's `1 / scale`, computed here rather than in the taken
+        # branch: there it is a scalar kernel that every optimizer kernel waits
+        # for (XLA:CPU, 8M-param Adam: 1.21x instead of 1.16x wall).
+        inverse = 1 / scale.loss_scale if isinstance(scale, DynamicLossScale) else None
         # Finiteness of the *unscaled* grads from one read of each scaled
         # gradient (see `_nonfinite_sum`); nothing gradient-sized is written.
-        nonfinite = _nonfinite_sum(jax.tree_util.tree_leaves(grads), _unscale_multiplier(scale))
+        nonfinite = _nonfinite_sum(jax.tree_util.tree_leaves(grads),
+                                   _unscale_multiplier(scale, inverse))
         if axis_name is not None:
             # NaN propagates through the sum: one scalar collective.
             nonfinite = jax.lax.psum(nonfinite, axis_name)
@@ -157,13 +163,14 @@ def loss_scaling(
         # The predicate's only consumer is the cond: the bookkeeping happens
         # inside the branches, where the predicate is a constant, so XLA does
         # not copy the finiteness computation into several fusions.
-        def apply_inner(grads, state, params, array_args):
+        def apply_inner(grads, state, params, array_args, inverse):
             # Unscaling here (not before the cond) lets XLA fuse the multiply
             # into the optimizer's first elementwise op instead of writing it out.
+            # `_scale_leaves` by `inverse` is `DynamicLossScale.unscale`.
+            unscaled = (state.loss_scale.unscale(grads) if inverse is None
+                        else _scale_leaves(grads, inverse))
             updates, inner_state = inner.update(
-                state.loss_scale.unscale(grads), state.inner_state, params,
-                **array_args, **static_args,
-            )
+                unscaled, state.inner_state, params, **array_args, **static_args)
             return updates, LossScalingState(
                 loss_scale=state.loss_scale.adjust(jnp.asarray(True)),
                 inner_state=inner_state,
@@ -171,10 +178,10 @@ def loss_scaling(
                 skipped_steps=state.skipped_steps,
             )
 
-        operands = (grads, state, params, array_args)
+        operands = (grads, state, params, array_args, inverse)
         applied = jax.eval_shape(apply_inner, *operands)
 
-        def skip(grads, state, params, array_args):
+        def skip(grads, state, params, array_args, inverse):
             updates_shape, state_shape = applied
             # zeros_like of the ShapeDtypeStructs keeps explicit shardings too.
             zeros = jax.tree_util.tree_map(jnp.zeros_like, updates_shape)
@@ -263,17 +270,18 @@ def _make_varying(tree: Any, target: Any) -> Any:
     return jax.tree_util.tree_map(cast, tree, target)
 
 
-def _unscale_multiplier(scale: Any) -> Any:
+def _unscale_multiplier(scale: Any, inverse: Any) -> Any:
     """``1 / loss_scale`` if unscaling may turn finite grads into inf, else None.
 
     Only a scale below 1 can: a `DynamicLossScale` with ``min_loss_scale >= 1``
     or a `StaticLossScale` >= 1 never does, and then the finiteness check of
     the scaled grads is exact for the unscaled ones, at no extra cost.
+    ``inverse`` is a dynamic scale's ``1 / loss_scale``, already computed.
     """
     if isinstance(scale, NoOpLossScale):
         return None
-    if isinstance(scale, DynamicLossScale) and scale.min_loss_scale >= 1:
-        return None
+    if isinstance(scale, DynamicLossScale):
+        return None if scale.min_loss_scale >= 1 else inverse
     if isinstance(scale, StaticLossScale) and not isinstance(scale.loss_scale, jax.core.Tracer):
         if scale.loss_scale >= 1:
             return None
