@@ -144,7 +144,7 @@ def loss_scaling(
         scale = state.loss_scale
         # A traced scale's `1 / scale`, computed here rather than in the taken
         # branch: there it is a scalar kernel that every optimizer kernel waits
-        # for (XLA:CPU, 8M-param Adam: 1.21x instead of 1.16x wall).
+        # for (XLA:CPU, donated 8M-param Adam: 1.23x instead of 1.15x its wall).
         inverse = 1 / scale.loss_scale if isinstance(scale, DynamicLossScale) else None
         # Finiteness of the *unscaled* grads from one read of each scaled
         # gradient (see `_nonfinite_sum`); nothing gradient-sized is written.
