@@ -16,8 +16,9 @@ step (XLA:GPU sometimes turns a ``lax.cond`` into per-leaf selects).
 Besides the recipes of ``bench_loss_scaling.py`` it times four diagnostic
 forms built on plain Adam: ``check+select`` (jmp_policy's finiteness check,
 then ``select_tree``), ``check+cond`` (the check, then a ``lax.cond`` around
-Adam), ``check+cond+unscale`` (the same, with Adam fed ``g * (1 / scale)``)
-and ``cond only`` (a ``lax.cond`` on one gradient element: the cost of
+Adam), ``check+cond+unscale`` (the same, with Adam fed ``g * (1 / scale)``,
+``1 / scale`` computed before the ``cond``; ``... 1/scale in the branch``
+computes it inside the taken branch instead) and ``cond only`` (a ``lax.cond`` on one gradient element: the cost of
 the conditional itself); and ``loss_scaling, check per leaf``, jmp_policy with
 one reduction per leaf instead of one per shape group.
 
@@ -84,7 +85,18 @@ def diagnostic_steps(baseline):
 
     def check_cond_unscale(p, state, g):
         # check+cond, plus the `1 / scale` multiply of a loss-scaled step (the
-        # scale is state, so XLA cannot fold it into a constant).
+        # scale is state, so XLA cannot fold it into a constant), with
+        # `1 / scale` computed before the cond, as jmp_policy does.
+        s, scale = state
+
+        def update(p, s, g, inverse):
+            return plain(p, s, jax.tree.map(lambda x: x * inverse, g))
+
+        p, s = jax.lax.cond(finite(g), update, lambda p, s, g, inverse: (p, s), p, s, g, 1 / scale)
+        return p, (s, scale)
+
+    def check_cond_unscale_inside(p, state, g):
+        # The same, with `1 / scale` computed inside the taken branch.
         s, scale = state
 
         def update(p, s, g):
@@ -95,6 +107,7 @@ def diagnostic_steps(baseline):
 
     return [(baseline.name, plain, init), ("check+select", check_select, init),
             ("check+cond", check_cond, init), ("check+cond+unscale", check_cond_unscale, init_with_scale),
+            ("... 1/scale in the branch", check_cond_unscale_inside, init_with_scale),
             ("cond only", cond_only, init)]
 
 
