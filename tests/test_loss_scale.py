@@ -330,6 +330,7 @@ def test_all_finite_under_vmap_answers_per_example(xla_cpu):
     for check in (jax.vmap(jmp_policy.all_finite), jax.jit(jax.vmap(jmp_policy.all_finite))):
         np.testing.assert_array_equal(check(tree), [False, True, False, True])
 
+
 def test_all_finite_edge_cases():
     assert bool(jmp_policy.all_finite(None)) and bool(jmp_policy.all_finite({}))
     assert bool(jmp_policy.all_finite({"step": jnp.int32(3), "mask": jnp.array([True])}))

@@ -201,6 +201,13 @@ def _all_primitives(jaxpr):
             yield from _all_primitives(sub)
 
 
+def _runtime_conds(jaxpr):
+    """Top-level conds, less those on `platform_index`: those pick the check's
+    form per backend and are resolved when the step is lowered."""
+    platform = {v for e in jaxpr.eqns if e.primitive.name == "platform_index" for v in e.outvars}
+    return [e for e in jaxpr.eqns if e.primitive.name == "cond" and e.invars[0] not in platform]
+
+
 def test_update_jaxpr_has_one_cond_no_callbacks_and_no_boolean_masks(xla_cpu):
     params = make_params()
     tx = jmp_policy.loss_scaling(optax.adam(1e-3), "dynamic")
@@ -209,11 +216,7 @@ def test_update_jaxpr_has_one_cond_no_callbacks_and_no_boolean_masks(xla_cpu):
     eqns = list(_all_primitives(closed.jaxpr))
     names = {e.primitive.name for e in eqns}
     assert not {n for n in names if "callback" in n or "feed" in n or n in ("device_put", "outside_call")}
-    # One runtime cond; a cond on `platform_index` picks the check's form per
-    # backend and is resolved when the step is lowered.
-    platform = {v for e in closed.jaxpr.eqns if e.primitive.name == "platform_index" for v in e.outvars}
-    conds = [e for e in closed.jaxpr.eqns if e.primitive.name == "cond"]
-    assert len([e for e in conds if e.invars[0] not in platform]) == 1
+    assert len(_runtime_conds(closed.jaxpr)) == 1
     # (XLA:GPU may turn the cond into selects: counted on XLA:CPU.)
     hlo = jax.jit(tx.update).lower(grads_like(params, 1.0), state, params).compile().as_text()
     assert hlo.count(" conditional(") == 1
@@ -237,8 +240,7 @@ def test_a_dynamic_scale_is_inverted_before_the_cond(fused):
     state = tx.init(params)
     step = (lambda g, s, p: tx.update_and_apply(g, s, p)) if fused else tx.update
     closed = jax.make_jaxpr(step)(grads_like(params, 1.0), state, params)
-    platform = {v for e in closed.jaxpr.eqns if e.primitive.name == "platform_index" for v in e.outvars}
-    (cond,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "cond" and e.invars[0] not in platform]
+    (cond,) = _runtime_conds(closed.jaxpr)
     for branch in cond.params["branches"]:
         assert not _scalar_divisions(_all_primitives(branch.jaxpr))
     assert len(_scalar_divisions(closed.jaxpr.eqns)) == 1
