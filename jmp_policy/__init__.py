@@ -24,6 +24,7 @@ from jmp_policy.policy import (
     wrap,
 )
 from jmp_policy.policy_map import PolicyMap
+from jmp_policy._rules import UnmatchedRuleWarning
 from jmp_policy.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -38,7 +39,7 @@ from jmp_policy.transform import (
     loss_scaling,
     scaled_value_and_grad,
 )
-from jmp_policy.autocasting import AutocastWarning, autocast
+from jmp_policy.autocast import AutocastWarning, autocast
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,7 @@ __all__ = [
     "Policy",
     "PolicyMap",
     "StaticLossScale",
+    "UnmatchedRuleWarning",
     "all_finite",
     "autocast",
     "cast_to_full",

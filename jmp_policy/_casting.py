@@ -1,8 +1,8 @@
 """The cast engine behind `Policy` and `PolicyMap`.
 
-Rules (SPEC section 1): only floating arrays are cast (JAX arrays, numpy arrays
-and scalars, tracers); everything else, including Python floats, passes
-through; a leaf already in the target dtype is returned as the same object.
+Only floating arrays are cast (JAX arrays, numpy arrays and scalars, tracers);
+everything else, including Python floats, passes through; a leaf already in
+the target dtype is returned as the same object.
 
 Speed matters when casting eagerly: dispatching one `astype` per leaf costs a
 few microseconds of Python and runtime overhead each, which dominates for
@@ -14,19 +14,22 @@ the converts are emitted directly, exactly as a hand-written cast would.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Sequence
+import typing
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import jax
 import numpy as np
 
-from jmp_policy._dtypes import is_floating_dtype
+from jmp_policy._dtypes import canonical_dtype, is_floating_dtype
+
+T = TypeVar("T")
 
 # Below this many converts, per-leaf dispatch is as cheap as one batched call.
 _BATCH_MIN = 4
 
 
 @functools.lru_cache(maxsize=None)
-def _converter(dtype: np.dtype) -> Callable[[list], list]:
+def _converter(dtype: np.dtype[Any]) -> Callable[[list[jax.Array]], list[jax.Array]]:
     # One jitted function per target dtype (no static argument to hash per
     # call); jax.jit's own cache then keys executables by the tree signature.
     return jax.jit(lambda xs: [x.astype(dtype) for x in xs])
@@ -35,23 +38,22 @@ def _converter(dtype: np.dtype) -> Callable[[list], list]:
 # The concrete jax.Array class, for a fast type check. Learnt from the first
 # array cast rather than by creating one at import, which would initialise
 # JAX's backends before users can configure them (jax.distributed, platforms).
-_ARRAY_IMPL: Optional[type] = None
+_ARRAY_IMPL: Optional[type[jax.Array]] = None
 
 
-def cast_leaves(leaves: Sequence[Any], dtypes: Sequence[Optional[np.dtype]]) -> list:
+def cast_leaves(leaves: Sequence[Any], dtypes: Sequence[Optional[np.dtype[Any]]]) -> list[Any]:
     """Casts ``leaves[i]`` to ``dtypes[i]`` (``None``: leave it) following the casting rules."""
     global _ARRAY_IMPL
     out = list(leaves)
-    batches: dict = {}  # dtype -> indices of concrete jax arrays to convert
+    batches: dict[np.dtype[Any], list[int]] = {}  # dtype -> indices of jax arrays to convert
     for i, (x, dtype) in enumerate(zip(leaves, dtypes)):
         if dtype is None:
             continue
         if type(x) is _ARRAY_IMPL:  # the common case first: a concrete jax array
-            x_dtype = x.dtype
-            if x_dtype != dtype and is_floating_dtype(x_dtype):
+            if x.dtype != dtype and is_floating_dtype(x.dtype):
                 batches.setdefault(dtype, []).append(i)
             continue
-        x_dtype = getattr(x, "dtype", None)
+        x_dtype: Any = getattr(x, "dtype", None)
         if x_dtype is None or x_dtype == dtype or not is_floating_dtype(x_dtype):
             continue
         if isinstance(x, jax.core.Tracer):
@@ -72,20 +74,12 @@ def cast_leaves(leaves: Sequence[Any], dtypes: Sequence[Optional[np.dtype]]) -> 
     return out
 
 
-def cast_tree(tree: Any, dtype: Optional[np.dtype]) -> Any:
+def cast_tree(tree: T, dtype: Optional[np.dtype[Any]]) -> T:
     """Casts every floating array leaf of ``tree`` to ``dtype`` (identity for ``None``)."""
     if dtype is None:
         return tree
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return jax.tree_util.tree_unflatten(treedef, cast_leaves(leaves, [dtype] * len(leaves)))
-
-
-def cast_tree_by_path(tree: Any, dtype_for_path: Callable[[str], Optional[np.dtype]]) -> Any:
-    """Like `cast_tree`, with the target dtype chosen per leaf from its ``/``-joined key path."""
-    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves = [leaf for _, leaf in path_leaves]
-    dtypes = [dtype_for_path(path_str(path)) for path, _ in path_leaves]
-    return jax.tree_util.tree_unflatten(treedef, cast_leaves(leaves, dtypes))
+    return typing.cast(T, jax.tree_util.tree_unflatten(treedef, cast_leaves(leaves, [dtype] * len(leaves))))
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -93,7 +87,7 @@ def path_str(path: Sequence[Any]) -> str:
     return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
-def first_floating_dtype(tree: Any) -> Optional[np.dtype]:
+def first_floating_dtype(tree: Any) -> Optional[np.dtype[Any]]:
     """The dtype of the first floating array leaf of ``tree`` (used by the deprecated infer policies)."""
     for leaf in jax.tree_util.tree_leaves(tree):
         dtype = getattr(leaf, "dtype", None)
@@ -102,5 +96,5 @@ def first_floating_dtype(tree: Any) -> Optional[np.dtype]:
             and isinstance(leaf, (jax.Array, np.ndarray, np.generic))
             and is_floating_dtype(dtype)
         ):
-            return np.dtype(dtype)
+            return canonical_dtype(dtype)
     return None

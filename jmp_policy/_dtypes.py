@@ -48,7 +48,7 @@ def is_floating_dtype(dtype: Any) -> bool:
         return False
 
 
-def canonical_dtype(x: Any) -> np.dtype:
+def canonical_dtype(x: Any) -> np.dtype[Any]:
     """Turns a dtype-like (``jnp.float16``, ``np.float32``, ``"bf16"``, ``"half"``) into ``np.dtype``.
 
     Raises ``ValueError`` containing "Unknown dtype" (jmp's message) for names
@@ -59,20 +59,26 @@ def canonical_dtype(x: Any) -> np.dtype:
     if isinstance(x, str):
         name = _ALIASES.get(x, x)
         if name == "half":
-            return np.dtype(half_dtype())
+            return _numpy_dtype(half_dtype())
         if name != x or name in VALID_DTYPE_NAMES or _is_dtype_name(name):
-            return np.dtype(jnp.dtype(name))
+            return _numpy_dtype(name)
         raise ValueError(
             f"Unknown dtype {x!r}: expected one of {', '.join(VALID_DTYPE_NAMES)} "
             "(or another floating dtype name known to JAX such as 'float8_e4m3fn')."
         )
     try:
-        return np.dtype(jnp.dtype(x))
+        return _numpy_dtype(x)
     except TypeError:
         raise TypeError(
             f"Expected a dtype (e.g. jnp.float16, np.float32, 'bfloat16'), got {x!r} "
             f"of type {type(x).__name__}."
         ) from None
+
+
+def _numpy_dtype(x: Any) -> np.dtype[Any]:
+    # Through JAX, which knows bfloat16 and the float8 types by name.
+    dtype: np.dtype[Any] = np.dtype(jnp.dtype(x))
+    return dtype
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,12 +90,7 @@ def _is_dtype_name(name: str) -> bool:
     return True
 
 
-def dtype_name(dtype: np.dtype) -> str:
-    """The canonical name used in policy names (``"float32"``, ``"bfloat16"``)."""
-    return np.dtype(dtype).name
-
-
-def floating_dtype(x: Any, what: str) -> np.dtype:
+def floating_dtype(x: Any, what: str) -> np.dtype[Any]:
     """`canonical_dtype` that also insists on a floating dtype; `what` names the role in errors."""
     dtype = canonical_dtype(x)
     if not is_floating_dtype(dtype):

@@ -15,21 +15,32 @@ dtype(bfloat16)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 import warnings
-from typing import Any, Callable, Iterator, Mapping, Optional, Tuple, TypeVar, Union
+from typing import Any, Callable, Iterator, Literal, Mapping, Optional, ParamSpec, TypeVar, Union
 
 import jax
 import numpy as np
+from jax.typing import DTypeLike
 
-from jmp_policy import _casting
-from jmp_policy import _dtypes
+from jmp_policy import _casting, _dtypes
 from jmp_policy import loss_scale as _ls
 
 T = TypeVar("T")
-DTypeLike = Any
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: What functions taking a policy accept: a `Policy`, a name, or ``None`` (the global policy).
 PolicyLike = Union["Policy", str, None]
+
+# A policy's dtype as type checkers see it: a numpy dtype "or anything"
+# (typeshed's "Any trick"). Every policy has dtypes except the deprecated infer
+# ones, whose inferred dtypes are None; so ``policy.compute_dtype.name``
+# type-checks without a None check, and code that checks for None is not
+# flagged either.
+_PolicyDType = Union[np.dtype[Any], Any]
 
 _F32 = np.dtype("float32")
 _F16 = np.dtype("float16")
@@ -41,16 +52,50 @@ _SPECIAL_NAMES = ("mixed_float16", "mixed_bfloat16", "<dtype>_with_float32_vars"
                   "params=<dtype>,compute=<dtype>,output=<dtype> (or p=,c=,o=)",
                   "infer (deprecated)", "infer_float32_vars (deprecated)")
 _WITH_F32_VARS = "_with_float32_vars"
+_INFER_NAMES = ("infer", "infer_float32_vars", "infer_with_float32_vars")
+
 
 # ---------------------------------------------------------------------------
-# Loss-scale configuration: the static, hashable part of a loss scale that a
-# policy carries as part of its value.
-#   ("none",) | ("static", scale) | ("dynamic", initial, period, factor, min, max)
+# Loss-scale configuration: the static, hashable part of a loss scale, which a
+# policy stores as part of its value (a loss-scale object holds arrays).
 # ---------------------------------------------------------------------------
-_LS_NONE = ("none",)
-_DYNAMIC_DEFAULTS = (2.0**15, 2000, 2, 1.0, None)
-_LS_DYNAMIC = ("dynamic",) + _DYNAMIC_DEFAULTS
-_UNSET: Any = object()
+@dataclasses.dataclass(frozen=True)
+class _LossScaleConfig:
+    kind: Literal["none", "static", "dynamic"]
+    scale: float = 1.0
+    period: int = 2000
+    factor: Union[int, float] = 2
+    min_scale: float = 1.0
+    max_scale: Optional[float] = None
+
+    def build(self) -> _ls.LossScale:
+        """A fresh loss-scale object with these settings."""
+        if self.kind == "none":
+            return _ls.NoOpLossScale()
+        if self.kind == "static":
+            return _ls.StaticLossScale(np.float32(self.scale))
+        return _ls.DynamicLossScale(
+            loss_scale=np.float32(self.scale), period=self.period, factor=self.factor,
+            min_loss_scale=np.float32(self.min_scale),
+            max_loss_scale=None if self.max_scale is None else np.float32(self.max_scale))
+
+    def __str__(self) -> str:
+        """The form written after ``loss_scale=`` in a policy name."""
+        if self.kind == "none":
+            return "none"
+        if self.kind == "static":
+            return repr(self.scale)
+        if self == _DEFAULT_DYNAMIC:
+            return "dynamic"
+        max_ = "none" if self.max_scale is None else repr(self.max_scale)
+        return (f"dynamic(initial={self.scale!r};period={self.period};factor={self.factor!r};"
+                f"min={self.min_scale!r};max={max_})")
+
+
+_NO_SCALING = _LossScaleConfig("none")
+# The settings of `DynamicLossScale()`, written out so that building a policy
+# does not create arrays (which would start JAX's backends at import time).
+_DEFAULT_DYNAMIC = _LossScaleConfig("dynamic", scale=2.0**15)
 
 
 def _concrete_float(x: Any, what: str) -> float:
@@ -63,84 +108,61 @@ def _concrete_float(x: Any, what: str) -> float:
         ) from None
 
 
-def _ls_config(loss_scale: Any) -> tuple:
-    """Normalises the ``loss_scale=`` argument of `Policy` into a hashable config."""
-    loss_scale = _ls.as_loss_scale(loss_scale)
-    if isinstance(loss_scale, _ls.NoOpLossScale):
-        return _LS_NONE
-    if isinstance(loss_scale, _ls.StaticLossScale):
-        return ("static", _concrete_float(loss_scale.loss_scale, "loss_scale"))
-    max_ = loss_scale.max_loss_scale
-    return (
+def _loss_scale_config(loss_scale: Any) -> _LossScaleConfig:
+    """The configuration of a ``loss_scale=`` argument (anything `loss_scaling` accepts)."""
+    ls = _ls.as_loss_scale(loss_scale)
+    if isinstance(ls, _ls.NoOpLossScale):
+        return _NO_SCALING
+    if isinstance(ls, _ls.StaticLossScale):
+        return _LossScaleConfig("static", scale=_concrete_float(ls.loss_scale, "loss_scale"))
+    max_ = ls.max_loss_scale
+    return _LossScaleConfig(
         "dynamic",
-        _concrete_float(loss_scale.loss_scale, "loss_scale"),
-        int(loss_scale.period),
-        loss_scale.factor,
-        _concrete_float(loss_scale.min_loss_scale, "min_loss_scale"),
-        None if max_ is None else _concrete_float(max_, "max_loss_scale"),
+        scale=_concrete_float(ls.loss_scale, "loss_scale"),
+        period=int(ls.period),
+        factor=ls.factor,
+        min_scale=_concrete_float(ls.min_loss_scale, "min_loss_scale"),
+        max_scale=None if max_ is None else _concrete_float(max_, "max_loss_scale"),
     )
 
 
-def _ls_object(config: tuple) -> Any:
-    kind = config[0]
-    if kind == "none":
-        return _ls.NoOpLossScale()
-    if kind == "static":
-        return _ls.StaticLossScale(np.float32(config[1]))
-    initial, period, factor, min_, max_ = config[1:]
-    return _ls.DynamicLossScale(
-        loss_scale=np.float32(initial), period=period, factor=factor,
-        min_loss_scale=np.float32(min_),
-        max_loss_scale=None if max_ is None else np.float32(max_))
-
-
-def _ls_to_str(config: tuple) -> str:
-    kind = config[0]
-    if kind == "none":
-        return "none"
-    if kind == "static":
-        return repr(config[1])
-    if config == _LS_DYNAMIC:
-        return "dynamic"
-    initial, period, factor, min_, max_ = config[1:]
-    return (f"dynamic(initial={initial!r};period={period};factor={factor!r};"
-            f"min={min_!r};max={'none' if max_ is None else repr(max_)})")
-
-
-def _ls_from_str(text: str) -> tuple:
+def _loss_scale_from_text(text: str) -> _LossScaleConfig:
+    """Parses what follows ``loss_scale=`` in a name (the inverse of ``str(config)``)."""
     if text == "none":
-        return _LS_NONE
+        return _NO_SCALING
     if text == "dynamic":
-        return _LS_DYNAMIC
+        return _DEFAULT_DYNAMIC
     if text.startswith("dynamic(") and text.endswith(")"):
         fields = dict(item.split("=", 1) for item in text[8:-1].split(";") if "=" in item)
-        expected = ["initial", "period", "factor", "min", "max"]
-        if sorted(fields) != sorted(expected):
+        if sorted(fields) != ["factor", "initial", "max", "min", "period"]:
             raise ValueError(f"Malformed dynamic loss scale {text!r}: expected "
                              "dynamic(initial=..;period=..;factor=..;min=..;max=..).")
-        factor = fields["factor"]
-        return _ls_config(_ls.DynamicLossScale(
+        factor, max_ = fields["factor"], fields["max"]
+        return _loss_scale_config(_ls.DynamicLossScale(
             loss_scale=np.float32(float(fields["initial"])), period=int(fields["period"]),
             factor=int(factor) if factor.isdigit() else float(factor),
             min_loss_scale=np.float32(float(fields["min"])),
-            max_loss_scale=None if fields["max"] == "none" else np.float32(float(fields["max"]))))
+            max_loss_scale=None if max_ == "none" else np.float32(float(max_))))
     try:
         value = float(text)
     except ValueError:
         raise ValueError(f"Unknown loss_scale {text!r} in policy name: expected 'dynamic', "
                          "'none' or a number (a static scale).") from None
-    return _ls_config(np.float32(value))
+    return _loss_scale_config(np.float32(value))
 
 
-def _default_ls(compute: Optional[np.dtype]) -> tuple:
+def _default_loss_scale(compute: Optional[np.dtype[Any]]) -> _LossScaleConfig:
     # float16's 5 exponent bits flush small gradients to zero; bfloat16 and
     # float32 share float32's exponent range and never need scaling.
-    return _LS_DYNAMIC if compute == _F16 else _LS_NONE
+    return _DEFAULT_DYNAMIC if compute == _F16 else _NO_SCALING
 
 
 # ---------------------------------------------------------------------------
 # Name grammar.
 # ---------------------------------------------------------------------------
+_DTypes = tuple[Optional[np.dtype[Any]], Optional[np.dtype[Any]], Optional[np.dtype[Any]]]
+
+
 def _bad_name(name: str, problem: str) -> ValueError:
     return ValueError(
         f"Invalid policy name {name!r}: {problem}. Valid names: a dtype "
@@ -149,36 +171,14 @@ def _bad_name(name: str, problem: str) -> ValueError:
     )
 
 
-def _deprecated(name: str, replacement: str) -> None:
+def _warn_deprecated(name: str, replacement: str) -> None:
     warnings.warn(
         f"Policy name {name!r} is deprecated (the compute dtype is inferred from the first "
         f"floating input at call time); use an explicit name such as {replacement!r}.",
-        DeprecationWarning, stacklevel=4)
+        DeprecationWarning, stacklevel=6)  # the caller of Policy(...)
 
 
-def _parse_simple(name: str, full: str) -> Tuple[Optional[np.dtype], ...]:
-    """A name without ``=``: returns (params, compute, output); compute None means inferred."""
-    if name == "infer":
-        _deprecated(name, "float32")
-        return None, None, None
-    if name in ("infer_float32_vars", "infer_with_float32_vars"):
-        _deprecated(name, "mixed_float16")
-        return _F32, None, None
-    if name.startswith("mixed_"):
-        half = name[len("mixed_"):]
-        if half not in ("float16", "bfloat16"):
-            raise _bad_name(full, f"unknown mixed precision type {half!r} "
-                                  "(expected mixed_float16 or mixed_bfloat16)")
-        dtype = np.dtype(half)
-        return _F32, dtype, dtype
-    if name.endswith(_WITH_F32_VARS):
-        dtype = _dtype_in_name(name[: -len(_WITH_F32_VARS)], full, "compute")
-        return _F32, dtype, dtype
-    dtype = _dtype_in_name(name, full, "params")
-    return dtype, dtype, dtype
-
-
-def _dtype_in_name(text: str, full: str, role: str) -> np.dtype:
+def _dtype_in_name(text: str, full: str, role: str) -> np.dtype[Any]:
     try:
         dtype = _dtypes.canonical_dtype(text)
     except (ValueError, TypeError):
@@ -194,15 +194,38 @@ def _dtype_in_name(text: str, full: str, role: str) -> np.dtype:
     return dtype
 
 
-def _parse_name(full: str) -> Tuple[Optional[np.dtype], Optional[np.dtype], Optional[np.dtype], Any]:
+def _parse_simple(name: str, full: str) -> _DTypes:
+    """A name without ``=``; a compute dtype of None means inferred at call time."""
+    if name == "infer":
+        _warn_deprecated(name, "float32")
+        return None, None, None
+    if name in _INFER_NAMES:
+        _warn_deprecated(name, "mixed_float16")
+        return _F32, None, None
+    if name.startswith("mixed_"):
+        half = name[len("mixed_"):]
+        if half not in ("float16", "bfloat16"):
+            raise _bad_name(full, f"unknown mixed precision type {half!r} "
+                                  "(expected mixed_float16 or mixed_bfloat16)")
+        dtype = np.dtype(half)
+        return _F32, dtype, dtype
+    if name.endswith(_WITH_F32_VARS):
+        dtype = _dtype_in_name(name[: -len(_WITH_F32_VARS)], full, "compute")
+        return _F32, dtype, dtype
+    dtype = _dtype_in_name(name, full, "params")
+    return dtype, dtype, dtype
+
+
+def _split_parts(full: str) -> tuple[Optional[str], dict[str, str]]:
+    """``"a,k=v,..."`` -> (``"a"`` or None, {canonical key: value}), rejecting malformed parts."""
     parts = [part.strip() for part in full.split(",")]
     if any(not part for part in parts):
         raise _bad_name(full, "empty part (check for doubled or trailing commas)")
     simple = parts[0] if "=" not in parts[0] else None
-    values: dict = {}
+    values: dict[str, str] = {}
     for part in parts[1:] if simple is not None else parts:
-        key, _, value = (s.strip() for s in part.partition("="))
-        if not _ or ("=" in value and key != "loss_scale"):  # dynamic(...) has '=' inside
+        key, equals, value = (s.strip() for s in part.partition("="))
+        if not equals or ("=" in value and key != "loss_scale"):  # dynamic(...) has '=' inside
             raise _bad_name(full, f"part {part!r} is not of the form key=value")
         if key not in _KEYS:
             raise _bad_name(full, f"unknown key {key!r} (expected one of "
@@ -213,32 +236,79 @@ def _parse_name(full: str) -> Tuple[Optional[np.dtype], Optional[np.dtype], Opti
         if not value:
             raise _bad_name(full, f"empty value for {key!r}")
         values[canon] = value
-    ls = _ls_from_str(values.pop("loss_scale")) if "loss_scale" in values else _UNSET
+    return simple, values
+
+
+def _parse_name(full: str) -> tuple[_DTypes, Optional[_LossScaleConfig]]:
+    """A policy name -> its dtypes, and its loss scale if the name gives one."""
+    simple, values = _split_parts(full)
+    ls_text = values.pop("loss_scale", None)
+    ls = None if ls_text is None else _loss_scale_from_text(ls_text)
     if simple is not None:
         if values:
             raise _bad_name(full, f"a name ({simple!r}) cannot be combined with "
                                   f"{'/'.join(values)}=; use params=,compute=,output= alone")
-        return (*_parse_simple(simple, full), ls)
+        return _parse_simple(simple, full), ls
     if not values:
         raise _bad_name(full, "no dtype given")
     params = _dtype_in_name(values["params"], full, "params") if "params" in values else _F32
     compute = _dtype_in_name(values["compute"], full, "compute") if "compute" in values else params
     output = _dtype_in_name(values["output"], full, "output") if "output" in values else compute
-    return params, compute, output, ls
+    return (params, compute, output), ls
+
+
+def _dtypes_from_args(
+    first: Union[PolicyLike, DTypeLike], compute: Optional[DTypeLike], output: Optional[DTypeLike]
+) -> tuple[_DTypes, Optional[_LossScaleConfig]]:
+    """`Policy`'s positional arguments -> dtypes, and a loss scale if they carry one."""
+    if compute is None and output is None:
+        if first is None:
+            first = global_policy()
+        if isinstance(first, Policy):
+            return (first.param_dtype, first.compute_dtype, first.output_dtype), first._loss_scale
+        if isinstance(first, str):
+            return _parse_name(first)
+    elif isinstance(first, Policy) or (isinstance(first, str) and ("," in first or "=" in first)):
+        raise TypeError(
+            f"Policy(name) takes a name alone; got name {str(first)!r} together with "
+            "compute/output dtypes. Pass three dtypes, or a single name.")
+    params = _F32 if first is None else _dtypes.floating_dtype(first, "param_dtype")
+    compute_ = params if compute is None else _dtypes.floating_dtype(compute, "compute_dtype")
+    output_ = compute_ if output is None else _dtypes.floating_dtype(output, "output_dtype")
+    return (params, compute_, output_), None
 
 
 # ---------------------------------------------------------------------------
 # Policy.
 # ---------------------------------------------------------------------------
+_UNSET: Any = object()
+
+
+# Frozen, so type checkers reject assignments too. Not slotted: on Python 3.11 a
+# frozen slotted dataclass answers ``policy.typo = x`` with an unrelated TypeError
+# from ``super()`` instead of FrozenInstanceError.
+@dataclasses.dataclass(frozen=True, init=False, eq=False, repr=False)
 class Policy:
     """A mixed-precision policy: parameter, compute and output dtypes, and a loss scale.
 
-    Construct from a name (``Policy("mixed_float16")``, ``Policy("p=f32,c=bf16,o=f32")``),
-    from dtypes (``Policy(jnp.float32, jnp.bfloat16, jnp.float32)``), or with no
-    argument for the global policy.
+    Construct from a name (``Policy("mixed_float16")``, ``Policy("p=f32,c=bf16,o=f32")``,
+    or as Keras spells it, ``Policy(name="mixed_float16")``), from dtypes
+    (``Policy(jnp.float32, jnp.bfloat16, jnp.float32)``), or with no argument for
+    the global policy. ``loss_scale=`` overrides the default loss scale (dynamic
+    when computing in float16, none otherwise).
+
+    Attributes:
+      param_dtype: the dtype parameters are stored in (alias ``variable_dtype``).
+      compute_dtype: the dtype computations run in.
+      output_dtype: the dtype results are returned in.
+
+    Each is a ``numpy.dtype``; the deprecated ``infer`` names leave the dtypes
+    they infer at call time ``None``.
 
     >>> import jax, jax.numpy as jnp
     >>> policy = Policy("mixed_bfloat16")
+    >>> policy.compute_dtype.name
+    'bfloat16'
     >>> f = policy.wrap(lambda w, x: x @ w)
     >>> f(jnp.ones((3, 2)), jnp.ones((4, 3))).dtype
     dtype(bfloat16)
@@ -246,61 +316,42 @@ class Policy:
     dtype('float32')
     """
 
-    __slots__ = ("_param", "_compute", "_output", "_ls")
+    param_dtype: _PolicyDType
+    compute_dtype: _PolicyDType
+    output_dtype: _PolicyDType
+    _loss_scale: _LossScaleConfig
 
     def __init__(
         self,
-        param_dtype: Union[DTypeLike, str, "Policy", None] = None,
+        param_dtype: Union[PolicyLike, DTypeLike] = None,
         compute_dtype: Optional[DTypeLike] = None,
         output_dtype: Optional[DTypeLike] = None,
         *,
-        loss_scale: Any = _UNSET,
-    ):
-        if compute_dtype is None and output_dtype is None and (
-            param_dtype is None or isinstance(param_dtype, (str, Policy))
-        ):
-            if param_dtype is None:
-                base = global_policy()
-            elif isinstance(param_dtype, Policy):
-                base = param_dtype
-            else:
-                base = None
-            if base is not None:
-                params, compute, output, ls = (
-                    base._param, base._compute, base._output, base._ls)
-            else:
-                params, compute, output, ls = _parse_name(param_dtype)
-        else:
-            if isinstance(param_dtype, (str, Policy)) and not _is_dtype_str(param_dtype):
+        name: Optional[str] = None,
+        loss_scale: _ls.LossScaleLike = _UNSET,
+    ) -> None:
+        if name is not None:
+            if not isinstance(name, str):
+                raise TypeError(f"Policy(name=...) takes a policy name such as 'mixed_float16', "
+                                f"got {name!r} of type {type(name).__name__}.")
+            if (param_dtype, compute_dtype, output_dtype) != (None, None, None):
                 raise TypeError(
-                    f"Policy(name) takes a name alone; got name {param_dtype!r} together with "
-                    "compute/output dtypes. Pass three dtypes, or a single name.")
-            params = (_F32 if param_dtype is None
-                      else _dtypes.floating_dtype(param_dtype, "param_dtype"))
-            compute = (params if compute_dtype is None
-                       else _dtypes.floating_dtype(compute_dtype, "compute_dtype"))
-            output = (compute if output_dtype is None
-                      else _dtypes.floating_dtype(output_dtype, "output_dtype"))
-            ls = _UNSET
+                    f"Policy(name={name!r}) takes the name alone, got dtypes as well; pass "
+                    "either a name or param_dtype/compute_dtype/output_dtype.")
+            param_dtype = name
+        dtypes, ls = _dtypes_from_args(param_dtype, compute_dtype, output_dtype)
         if loss_scale is not _UNSET:
-            ls = _ls_config(loss_scale)
-        elif ls is _UNSET:
-            ls = _default_ls(compute)
-        object.__setattr__(self, "_param", params)
-        object.__setattr__(self, "_compute", compute)
-        object.__setattr__(self, "_output", output)
-        object.__setattr__(self, "_ls", ls)
+            ls = _loss_scale_config(loss_scale)
+        elif ls is None:
+            ls = _default_loss_scale(dtypes[1])
+        _set_fields(self, dtypes, ls)
 
     # -- value semantics ---------------------------------------------------
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"Policy is immutable; cannot set {name!r}. "
-                             "Build a new one, e.g. with with_output_dtype().")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError("Policy is immutable.")
-
-    def _key(self) -> tuple:
-        return (self._param, self._compute, self._output, self._ls)
+    def _key(self) -> tuple[Optional[str], Optional[str], Optional[str], _LossScaleConfig]:
+        # By dtype name: numpy's dtype equality holds float64 equal to None
+        # (np.dtype(None) is float64), which would make "infer" equal "float64".
+        p, c, o = self.param_dtype, self.compute_dtype, self.output_dtype
+        return (_dtype_name(p), _dtype_name(c), _dtype_name(o), self._loss_scale)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Policy) and self._key() == other._key()
@@ -308,20 +359,11 @@ class Policy:
     def __hash__(self) -> int:
         return hash(self._key())
 
-    def __reduce__(self):
-        return (_restore, self._key())
-
-    def __copy__(self) -> "Policy":
-        return self
-
-    def __deepcopy__(self, memo: Any) -> "Policy":
-        return self
-
     # -- names ---------------------------------------------------------------
     @property
     def name(self) -> str:
         """Canonical dtype name: ``"float32"``, ``"mixed_bfloat16"``, ``"params=...,compute=...,output=..."``."""
-        p, c, o = self._param, self._compute, self._output
+        p, c, o = self.param_dtype, self.compute_dtype, self.output_dtype
         if c is None:
             return "infer" if p is None else "infer_float32_vars"
         if p == c == o:
@@ -331,104 +373,116 @@ class Policy:
         return f"params={p.name},compute={c.name},output={o.name}"
 
     def __str__(self) -> str:
-        if self._ls == _default_ls(self._compute):
+        if self._loss_scale == _default_loss_scale(self.compute_dtype):
             return self.name
-        return f"{self.name},loss_scale={_ls_to_str(self._ls)}"
+        return f"{self.name},loss_scale={self._loss_scale}"
 
     def __repr__(self) -> str:
         return f'<Policy "{self}">'
 
-    def get_config(self) -> dict:
+    def get_config(self) -> dict[str, str]:
         """Keras-style config; ``Policy.from_config(p.get_config()) == p``."""
         return {"name": str(self)}
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "Policy":
+    def from_config(cls, config: Mapping[str, Any]) -> Policy:
+        """The policy of a `get_config` dictionary."""
         if not isinstance(config, Mapping) or set(config) != {"name"}:
             raise ValueError(f"Policy.from_config expects {{'name': <policy name>}}, got {config!r}.")
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # the user was warned when the policy was made
             warnings.simplefilter("ignore", DeprecationWarning)
             return cls(config["name"])
 
     # -- properties ----------------------------------------------------------
     @property
-    def param_dtype(self) -> Optional[np.dtype]:
-        return self._param
-
-    variable_dtype = param_dtype
-
-    @property
-    def compute_dtype(self) -> Optional[np.dtype]:
-        """``None`` for the deprecated infer policies (taken from the inputs at call time)."""
-        return self._compute
-
-    @property
-    def output_dtype(self) -> Optional[np.dtype]:
-        return self._output
+    def variable_dtype(self) -> _PolicyDType:
+        """Alias of ``param_dtype`` (Keras's name)."""
+        return self.param_dtype
 
     @property
     def should_cast_variables(self) -> bool:
-        return self._param != self._compute
+        """Whether parameters are cast before computing (param dtype != compute dtype)."""
+        return bool(self.param_dtype != self.compute_dtype)
 
     @property
-    def loss_scale(self) -> Any:
-        """A fresh loss-scale object built from this policy's loss-scale configuration."""
-        return _ls_object(self._ls)
+    def loss_scale(self) -> _ls.LossScale:
+        """A fresh loss-scale object built from this policy's loss-scale settings."""
+        return self._loss_scale.build()
 
-    def with_output_dtype(self, output_dtype: DTypeLike) -> "Policy":
+    def with_output_dtype(self, output_dtype: DTypeLike) -> Policy:
         """The same policy with another output dtype."""
-        new = object.__new__(Policy)
-        for slot, value in zip(self.__slots__, self._key()):
-            object.__setattr__(new, slot, value)
-        object.__setattr__(new, "_output", _dtypes.floating_dtype(output_dtype, "output_dtype"))
-        return new
+        output = _dtypes.floating_dtype(output_dtype, "output_dtype")
+        return _make(self.param_dtype, self.compute_dtype, output, self._loss_scale)
 
     # -- casting -------------------------------------------------------------
     def cast_to_param(self, tree: T) -> T:
         """Casts floating arrays in ``tree`` to the parameter dtype."""
-        return _casting.cast_tree(tree, self._param)
+        return _casting.cast_tree(tree, self.param_dtype)
 
     def cast_to_compute(self, tree: T) -> T:
         """Casts floating arrays in ``tree`` to the compute dtype."""
-        return _casting.cast_tree(tree, self._compute)
+        return _casting.cast_tree(tree, self.compute_dtype)
 
     def cast_to_output(self, tree: T) -> T:
         """Casts floating arrays in ``tree`` to the output dtype."""
-        return _casting.cast_tree(tree, self._output)
+        return _casting.cast_tree(tree, self.output_dtype)
 
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(self, fn: Callable[P, R]) -> Callable[P, R]:
         """Returns ``fn`` with floating arguments cast to compute and results to output dtype.
 
         Works with ``jit``, ``grad`` and ``vmap`` and on ``flax.linen.Module.apply``;
         gradients with respect to float32 arguments come back float32.
         """
-        policy = self
+        check_callable(fn, "Policy.wrap(fn)")
 
         @functools.wraps(fn)
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            compute = policy._compute
-            if compute is None:
+        def wrapped(*args: P.args, **kwargs: P.kwargs) -> R:
+            compute = self.compute_dtype
+            if compute is None:  # a deprecated infer policy
                 compute = _casting.first_floating_dtype((args, kwargs))
             args, kwargs = _casting.cast_tree((args, kwargs), compute)
             out = fn(*args, **kwargs)
-            return _casting.cast_tree(out, policy._output or compute)
+            return _casting.cast_tree(out, compute if self.output_dtype is None else self.output_dtype)
 
         return wrapped
 
 
-def _is_dtype_str(x: Any) -> bool:
-    return isinstance(x, str) and "," not in x and "=" not in x
+def _dtype_name(dtype: Optional[np.dtype[Any]]) -> Optional[str]:
+    return None if dtype is None else dtype.name
 
 
-def _restore(param, compute, output, ls) -> Policy:
-    new = object.__new__(Policy)
-    for slot, value in zip(Policy.__slots__, (param, compute, output, ls)):
-        object.__setattr__(new, slot, value)
-    return new
+def _set_fields(policy: Policy, dtypes: _DTypes, loss_scale: _LossScaleConfig) -> None:
+    # The one place fields are written: a frozen dataclass is set up through object.
+    for field, value in zip(("param_dtype", "compute_dtype", "output_dtype"), dtypes):
+        object.__setattr__(policy, field, value)
+    object.__setattr__(policy, "_loss_scale", loss_scale)
+
+
+def _make(
+    param: Optional[np.dtype[Any]],
+    compute: Optional[np.dtype[Any]],
+    output: Optional[np.dtype[Any]],
+    loss_scale: _LossScaleConfig,
+) -> Policy:
+    """A policy from validated fields, without parsing."""
+    policy = object.__new__(Policy)
+    _set_fields(policy, (param, compute, output), loss_scale)
+    return policy
 
 
 # Leafless pytree: the dtypes are static, so a policy can cross jit boundaries.
 jax.tree_util.register_static(Policy)
+
+
+def check_callable(fn: object, call: str) -> None:
+    """Raises ``TypeError`` now, not when called, if ``fn`` cannot be wrapped by ``call``."""
+    if isinstance(fn, Policy):
+        raise TypeError(
+            f"{call} takes the function to wrap, got the policy {fn!r}; the function comes "
+            "first: jmp_policy.wrap(fn, policy) or policy.wrap(fn).")
+    if not callable(fn):
+        raise TypeError(f"{call} takes a function (any callable) to wrap, got {fn!r} of type "
+                        f"{type(fn).__name__}.")
 
 
 def get_policy(name: Union[str, Policy]) -> Policy:
@@ -464,25 +518,29 @@ def cast_to_half(tree: T) -> T:
     return _casting.cast_tree(tree, np.dtype(_dtypes.half_dtype()))
 
 
-def wrap(fn: Callable[..., Any], policy: PolicyLike = None) -> Callable[..., Any]:
-    """``as_policy(policy).wrap(fn)``; ``None`` is the global policy now, at wrap time."""
+def wrap(fn: Callable[P, R], policy: PolicyLike = None) -> Callable[P, R]:
+    """``as_policy(policy).wrap(fn)``; ``None`` is the global policy now, at wrap time.
+
+    >>> import jax.numpy as jnp
+    >>> wrap(jnp.sin, "bfloat16")(jnp.ones(2)).dtype
+    dtype(bfloat16)
+    """
+    check_callable(fn, "jmp_policy.wrap(fn, policy)")
     return as_policy(policy).wrap(fn)
 
 
 # ---------------------------------------------------------------------------
 # Global policy (process-wide) and thread-local scopes.
 # ---------------------------------------------------------------------------
-_global_lock = threading.Lock()
-_global: Optional[Policy] = None  # lazily Policy("float32")
+_FLOAT32 = _make(_F32, _F32, _F32, _NO_SCALING)
+_global = _FLOAT32  # one assignment replaces it, so threads see the old or the new policy
 _local = threading.local()
 
 
 def set_global_policy(policy: PolicyLike) -> None:
     """Sets the process-wide policy (``None`` restores ``"float32"``). Aliases: set_policy, set_dtype_policy."""
     global _global
-    new = Policy("float32") if policy is None else as_policy(policy)
-    with _global_lock:
-        _global = new
+    _global = _FLOAT32 if policy is None else as_policy(policy)
 
 
 set_policy = set_global_policy
@@ -491,15 +549,8 @@ set_dtype_policy = set_global_policy
 
 def global_policy() -> Policy:
     """The policy in force in this thread: the innermost `policy_scope`, else the global one."""
-    stack = getattr(_local, "stack", None)
-    if stack:
-        return stack[-1]
-    global _global
-    if _global is None:
-        with _global_lock:
-            if _global is None:
-                _global = _restore(_F32, _F32, _F32, _LS_NONE)
-    return _global
+    stack: Optional[list[Policy]] = getattr(_local, "stack", None)
+    return stack[-1] if stack else _global
 
 
 dtype_policy = global_policy
@@ -514,7 +565,7 @@ def policy_scope(policy: PolicyLike) -> Iterator[Policy]:
     True
     """
     new = as_policy(policy)
-    stack = getattr(_local, "stack", None)
+    stack: Optional[list[Policy]] = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
     stack.append(new)

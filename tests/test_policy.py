@@ -1,6 +1,7 @@
 """Tests for jmp_policy.policy: names, value semantics, casting, wrap, global policy."""
 
 import copy
+import dataclasses
 import pickle
 import threading
 import warnings
@@ -110,13 +111,41 @@ def test_properties():
 
 def test_immutable_hashable_picklable():
     p = Policy("mixed_bfloat16")
-    with pytest.raises(AttributeError, match="immutable"):
+    # A frozen dataclass: type checkers flag assignments too.
+    assert dataclasses.is_dataclass(p)
+    with pytest.raises(dataclasses.FrozenInstanceError, match="compute_dtype"):
         p.compute_dtype = F32  # type: ignore[misc]
-    with pytest.raises(AttributeError):
-        p._compute = F32  # type: ignore[attr-defined]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.other = F32  # type: ignore[attr-defined]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del p.param_dtype
+    assert dtypes(p) == (F32, BF16, BF16)
     assert {p: 1}[Policy("mixed_bfloat16")] == 1
-    assert pickle.loads(pickle.dumps(p)) == p
-    assert copy.deepcopy(p) == p
+    for again in (pickle.loads(pickle.dumps(p)), copy.copy(p), copy.deepcopy(p)):
+        assert again == p and hash(again) == hash(p) and repr(again) == repr(p)
+
+
+def test_infer_policies_differ_from_float64():
+    # numpy holds np.dtype("float64") == None (np.dtype(None) is float64).
+    with pytest.warns(DeprecationWarning):
+        infer, infer32 = Policy("infer"), Policy("infer_float32_vars")
+    assert infer != Policy("float64") and Policy("float64") != infer
+    assert infer32 != Policy("params=float32,compute=float64")
+    assert len({infer, infer32, Policy("float64"), Policy("params=float32,compute=float64")}) == 4
+
+
+def test_name_keyword_as_keras_spells_it():
+    assert Policy(name="mixed_float16") == Policy("mixed_float16")
+    assert Policy(name="p=f32,c=bf16,o=f32", loss_scale=None) == Policy("p=f32,c=bf16,o=f32")
+    assert repr(Policy(name="mixed_bfloat16")) == '<Policy "mixed_bfloat16">'
+    with pytest.raises(TypeError, match="takes the name alone"):
+        Policy(name="mixed_float16", compute_dtype=jnp.float16)
+    with pytest.raises(TypeError, match="takes the name alone"):
+        Policy("float32", name="mixed_float16")
+    with pytest.raises(TypeError, match="takes a policy name"):
+        Policy(name=jnp.float16)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Unknown dtype 'float33'"):
+        Policy(name="float33")
 
 
 def test_policy_is_a_leafless_pytree():
@@ -178,6 +207,19 @@ def test_bad_constructor_arguments(args, exc, match):
         Policy(*args)
 
 
+@pytest.mark.parametrize("wrap, match", [
+    (lambda: Policy("mixed_float16").wrap(123), "Policy.wrap\\(fn\\) takes a function"),
+    (lambda: jmp_policy.wrap(Policy("float32")), "the function comes first"),
+    (lambda: jmp_policy.wrap(Policy("float32"), lambda x: x), "the function comes first"),
+    (lambda: Policy("float32").wrap(Policy("float16")), "the function comes first"),
+    (lambda: jmp_policy.wrap("mixed_float16"), "takes a function"),
+    (lambda: jmp_policy.PolicyMap({}).wrap(None), "PolicyMap.wrap\\(fn\\) takes a function"),
+])
+def test_wrap_rejects_what_cannot_be_called_when_wrapping(wrap, match):
+    with pytest.raises(TypeError, match=match):
+        wrap()
+
+
 def test_wrong_types_as_policy():
     with pytest.raises(TypeError, match="Expected a Policy, a policy name"):
         jmp_policy.set_global_policy(3)
@@ -194,8 +236,9 @@ def test_wrong_types_as_policy():
 # Deprecated infer forms
 # ---------------------------------------------------------------------------
 def test_infer_policies_warn_and_infer_at_call_time():
-    with pytest.warns(DeprecationWarning, match="deprecated"):
+    with pytest.warns(DeprecationWarning, match="deprecated") as record:
         infer = Policy("infer")
+    assert record[0].filename == __file__  # points at the caller's line
     with pytest.warns(DeprecationWarning):
         infer32 = Policy("infer_float32_vars")
     with pytest.warns(DeprecationWarning):
