@@ -19,7 +19,7 @@ from jax.interpreters import mlir
 
 import jmp_policy
 from jmp_policy import autocast
-from jmp_policy.autocasting import AutocastWarning
+from jmp_policy import AutocastWarning
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 
@@ -675,15 +675,16 @@ def test_train_step_lowers_to_no_more_ops_than_hand_written_mixed_precision():
 def test_a_changed_jax_primitive_is_a_clear_error_not_a_wrong_result():
     # Handlers of higher-order primitives read JAX-internal parameters (JAX 0.11
     # renamed scan's); one that is missing must name the primitive and parameter.
-    from jmp_policy import autocasting
+    # No public function takes a jaxpr, so this goes through the interpreter's API.
+    from jmp_policy.autocast._interpreter import Context, eval_jaxpr
+    from jmp_policy.autocast._matmul import matmul
+    from jmp_policy.autocast._rules import parse_rules
 
     closed = jax.make_jaxpr(lambda xs: jax.lax.scan(lambda c, x: (c + x, c * x), 0.0, xs))(jnp.ones(3))
     eqns = [e.replace(params={k: v for k, v in e.params.items()
                               if k not in ("num_consts", "num_carry", "ft_in")})
             if e.primitive.name == "scan" else e for e in closed.jaxpr.eqns]
-    jaxpr = closed.jaxpr.replace(eqns=eqns)
-    # jax >= 0.11 merged ClosedJaxpr into Jaxpr (consts included).
-    broken = jaxpr if isinstance(jaxpr, type(closed)) else closed.replace(jaxpr=jaxpr)
+    broken = closed.jaxpr.replace(eqns=eqns)
+    ctx = Context(F16, parse_rules(None), matmul)
     with pytest.raises(NotImplementedError, match=r"'scan' primitive of jax .* no parameter 'ft_in'"):
-        autocasting._run(broken, jmp_policy.Policy("mixed_float16"), autocasting._parse_rules(None),
-                         jnp.ones(3))
+        eval_jaxpr(ctx, broken, closed.consts, [jnp.ones(3)])

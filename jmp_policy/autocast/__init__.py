@@ -1,0 +1,65 @@
+"""Per-operation mixed precision for any JAX function, in the spirit of ``torch.autocast``.
+
+``autocast(fn, policy)`` traces ``fn`` to a jaxpr (once per call signature) and
+evaluates that jaxpr primitive by primitive, choosing each primitive's
+precision from three classes:
+
+``"matmul"``
+    ``dot_general``, ``conv_general_dilated``, ``ragged_dot_general``. Floating
+    inputs are cast to the policy's compute dtype and the product accumulates
+    in float32 (``preferred_element_type``), so the result is float32. The
+    products of the backward pass take half-precision operands too.
+``"float32"``
+    Numerically sensitive primitives (see `FLOAT32_PRIMITIVES`). Floating
+    inputs are widened to at least float32 (float64 stays float64).
+``"follow"``
+    Everything else: the widest floating input wins (JAX promotion; weakly
+    typed Python scalars do not widen), so nothing is ever silently narrowed.
+
+A float32 value, once produced, stays float32 for the operations that follow;
+it is narrowed only where it feeds matrix work or becomes a floating output
+of ``fn`` (cast to the policy's output dtype). Narrowing means fewer bits of
+mantissa or exponent: float16 <-> bfloat16 is a narrowing too. Integer, boolean
+and PRNG values are never touched. Floating casts written in ``fn`` are kept
+only where they widen.
+
+Higher-order primitives are rewritten, not inlined, so they keep their own
+semantics: a nested ``jit`` keeps its shardings and name, ``custom_jvp`` /
+``custom_vjp`` functions keep their derivative rules, ``scan`` /
+``while_loop`` carries get a stable dtype, ``cond`` branches agree on output
+dtypes, ``checkpoint`` keeps its policy, ``shard_map`` bodies are autocast
+with their collectives.
+
+A primitive that autocast does not know, and that has floating inputs, is
+evaluated at the dtypes it was traced with, with one `AutocastWarning` per
+trace naming it.
+
+>>> import jax.numpy as jnp, jmp_policy
+>>> from jmp_policy.autocast import FLOAT32_PRIMITIVES
+>>> "exp" in FLOAT32_PRIMITIVES
+True
+>>> jmp_policy.autocast(jnp.exp, "mixed_float16")(jnp.ones(2)).dtype
+dtype('float16')
+
+Layout: ``_rules`` (classes and the ``rules=`` argument), ``_lattice`` (how
+dtypes order), ``_interpreter`` (evaluation and the handler registry),
+``_matmul`` (the matmul class), ``_higher_order`` (one handler per
+higher-order primitive), ``_api`` (`autocast` itself).
+"""
+
+from jmp_policy.autocast import _higher_order  # noqa: F401  (registers the handlers)
+from jmp_policy.autocast._api import autocast
+from jmp_policy.autocast._rules import (
+    FLOAT32_PRIMITIVES,
+    FOLLOW_PRIMITIVES,
+    MATMUL_PRIMITIVES,
+    AutocastWarning,
+)
+
+__all__ = [
+    "AutocastWarning",
+    "FLOAT32_PRIMITIVES",
+    "FOLLOW_PRIMITIVES",
+    "MATMUL_PRIMITIVES",
+    "autocast",
+]

@@ -1,0 +1,295 @@
+"""Handlers of higher-order primitives: their jaxprs are autocast, the primitive kept.
+
+Inlining a ``jit`` or a ``custom_vjp`` would lose what makes it one (shardings,
+a derivative rule, a rematerialization policy), so each handler rewrites the
+jaxprs in its primitive's parameters and binds the primitive again, or
+re-enters it through JAX's public API where its parameters are too internal
+to rebuild. Supporting another higher-order primitive is one more handler here.
+
+Handlers read some JAX-internal parameters through `Params`, which turns a
+parameter a new JAX version renamed into a clear error.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.extend.core.primitives as P
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Primitive, jaxpr_as_fun
+
+from jmp_policy._dtypes import is_floating_dtype
+from jmp_policy.autocast._interpreter import (
+    Context, Params, autocast_jaxpr, bind, eval_jaxpr, register)
+from jmp_policy.autocast._lattice import convert, dtype_of, join, struct
+
+
+def _shard_map_p() -> Primitive:
+    """``shard_map``'s primitive, which ``jax.extend`` does not export: read off a trace."""
+    mesh = jax.sharding.AbstractMesh((1,), ("i",))
+    spec = jax.sharding.PartitionSpec()  # type: ignore[no-untyped-call]
+    shard_map = jax.shard_map(lambda x: x, mesh=mesh, in_specs=spec, out_specs=spec)
+    (eqn,) = jax.make_jaxpr(shard_map)(np.float32(0)).jaxpr.eqns
+    primitive: Primitive = eqn.primitive
+    return primitive
+
+
+def _dtypes(values: Sequence[Any]) -> list[Any]:
+    return [dtype_of(x) for x in values]
+
+
+# --- Calls ---------------------------------------------------------------------------
+
+@register(P.jit_p)
+def _jit(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    # Binding the primitive again (rather than inlining its jaxpr) keeps in/out shardings,
+    # donation, layouts, the name and compiler options exactly as the user wrote them.
+    jaxpr = autocast_jaxpr(ctx, Params(eqn)["jaxpr"], _dtypes(invals))
+    return bind(eqn, invals, dict(eqn.params, jaxpr=jaxpr))
+
+
+@register(P.closed_call_p, P.call_p)
+def _call(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    jaxpr = Params(eqn)["call_jaxpr"]
+    if isinstance(jaxpr, ClosedJaxpr):
+        return eval_jaxpr(ctx, jaxpr.jaxpr, jaxpr.consts, invals)
+    return eval_jaxpr(ctx, jaxpr, (), invals)
+
+
+@register(P.remat_p)
+def _remat(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    p = Params(eqn)
+    jaxpr = p["jaxpr"]
+
+    def body(*args: Any) -> list[Any]:
+        return eval_jaxpr(ctx, jaxpr, (), args)
+
+    return jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
+
+
+@register(_shard_map_p())
+def _shard_map(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    # Re-entered through the public API, which sets up the manual-axes context that the
+    # body's collectives and varying-manual-axes types need.
+    p = Params(eqn)
+    jaxpr = p["jaxpr"]
+
+    def body(*args: Any) -> tuple[Any, ...]:
+        return tuple(eval_jaxpr(ctx, jaxpr, (), args))
+
+    mapped = jax.shard_map(body, mesh=p["mesh"], in_specs=p["in_specs"],
+                           out_specs=p["out_specs"], check_vma=p["check_vma"],
+                           axis_names=set(p["newly_manual_axes"]))
+    return mapped(*invals)
+
+
+# --- Custom derivatives ----------------------------------------------------------------
+#
+# The rules below run whenever the function is differentiated, possibly after this
+# trace has ended: they keep jaxprs, avals and the context, never a traced value.
+
+def _func_name(closed: ClosedJaxpr) -> str:
+    info = getattr(closed.jaxpr, "debug_info", None)
+    return getattr(info, "func_name", None) or "autocast_custom"
+
+
+def _zero_tangent(aval: Any) -> Any:
+    if is_floating_dtype(aval.dtype):
+        return jnp.zeros(aval.shape, aval.dtype)
+    return np.zeros(aval.shape, jax.dtypes.float0)
+
+
+@register(P.custom_jvp_call_p)
+def _custom_jvp(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    p = Params(eqn)
+    n_consts = p["num_consts"]
+    consts, args = invals[:n_consts], invals[n_consts:]
+    call = autocast_jaxpr(ctx, p["call_jaxpr"], _dtypes(invals))
+    call_fn, out_avals = jaxpr_as_fun(call), call.out_avals
+    jvp_jaxpr_fun, n_args = p["jvp_jaxpr_fun"], len(args)
+
+    def fn(*args: Any) -> Any:
+        return call_fn(*consts, *args)
+
+    def fn_jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        # The user's rule, traced by JAX at the original input types, autocast like the
+        # primal; its outputs are then made to agree with the primal's types.
+        jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*[False] * n_args)
+        outs = eval_jaxpr(ctx, jvp_jaxpr, jvp_consts, [*primals, *tangents])
+        n_out = len(out_zeros)
+        primals_out = [convert(o, a.dtype) for o, a in zip(outs[:n_out], out_avals)]
+        nonzero = iter(outs[n_out:])
+        tangents_out = [_zero_tangent(a) if zero else convert(next(nonzero), a.dtype)
+                        for zero, a in zip(out_zeros, out_avals)]
+        return primals_out, tangents_out
+
+    fn.__name__ = _func_name(p["call_jaxpr"])
+    custom = jax.custom_jvp(fn)
+    custom.defjvp(fn_jvp)
+    return custom(*args)
+
+
+@register(P.custom_vjp_call_p)
+def _custom_vjp(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    p = Params(eqn)
+    n_consts = p["num_consts"]
+    consts, args = invals[:n_consts], invals[n_consts:]
+    orig_call: ClosedJaxpr = p["call_jaxpr"]
+    call = autocast_jaxpr(ctx, orig_call, _dtypes(invals))
+    call_fn, out_avals = jaxpr_as_fun(call), call.out_avals
+    fwd_jaxpr_thunk, bwd, out_trees = p["fwd_jaxpr_thunk"], p["bwd"], p["out_trees"]
+    in_avals = [v.aval for v in eqn.invars]
+    arg_types = [(jnp.shape(x), dtype_of(x)) for x in args]
+
+    def fn(*args: Any) -> Any:
+        return call_fn(*consts, *args)
+
+    def fn_fwd(*args: Any) -> tuple[list[Any], list[Any]]:
+        fwd_jaxpr, fwd_consts = fwd_jaxpr_thunk.call_wrapped(*[True] * len(args))
+        outs = eval_jaxpr(ctx, fwd_jaxpr, fwd_consts, args)
+        _, res_tree, input_fwds = out_trees()
+        n_res = res_tree.num_leaves - sum(f is not None for f in input_fwds)
+        res_out, primals_out = iter(outs[:n_res]), outs[n_res:]
+        inputs = [*consts, *args]
+        res_avals = iter(v.aval for v in fwd_jaxpr.outvars[:n_res])
+        # The user's bwd rule gets its residuals at the types it was written for.
+        res = [convert(next(res_out), next(res_avals).dtype) if f is None
+               else convert(inputs[f], in_avals[f].dtype) for f in input_fwds]
+        return [convert(o, a.dtype) for o, a in zip(primals_out, out_avals)], res
+
+    def fn_bwd(res: Sequence[Any], cts: Sequence[Any]) -> tuple[Any, ...]:
+        cts = [convert(c, a.dtype) for c, a in zip(cts, orig_call.out_avals)]
+        in_cts = bwd.call_wrapped(*res, *cts)
+        if len(in_cts) == 2 and isinstance(in_cts[0], (list, tuple)):
+            in_cts = in_cts[0]  # jax >= 0.11 returns (cotangents, logs); a cotangent is never a list
+        if len(in_cts) != len(arg_types):  # never zip a changed structure into wrong gradients
+            raise NotImplementedError(
+                f"autocast: the backward rule of {_func_name(orig_call)!r} returned "
+                f"{len(in_cts)} cotangents for {len(arg_types)} arguments under jax "
+                f"{jax.__version__}, whose custom_vjp internals autocast does not know. "
+                "Please report this with your JAX version.")
+        return tuple(_cotangent(ct, shape, dtype) for ct, (shape, dtype) in zip(in_cts, arg_types))
+
+    fn.__name__ = _func_name(orig_call)
+    custom = jax.custom_vjp(fn)
+    custom.defvjp(fn_fwd, fn_bwd)
+    return custom(*args)
+
+
+def _cotangent(ct: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    """A cotangent for an argument of ``shape`` and ``dtype``, as ``jax.custom_vjp`` wants it."""
+    if not is_floating_dtype(dtype):
+        return None
+    if ct is None or not hasattr(ct, "dtype") or type(ct).__name__ == "Zero":  # symbolic zero
+        return jnp.zeros(shape, dtype)
+    return convert(ct, dtype)
+
+
+# --- Loops and branches -----------------------------------------------------------------
+
+def _stable_carry(ctx: Context, body: ClosedJaxpr, before: list[Any], carry: list[Any],
+                  after: list[Any], out_slice: slice) -> tuple[list[Any], Optional[ClosedJaxpr]]:
+    """Carry dtypes that the autocast body maps to themselves (widening only).
+
+    Returns them with the body rewritten for them when that rewrite already
+    returns exactly those dtypes (the common case), else with ``None``.
+    """
+    for _ in range(4):
+        traced = autocast_jaxpr(ctx, body, before + carry + after)
+        outs = [a.dtype for a in traced.out_avals[out_slice]]
+        if outs == carry:
+            return carry, traced
+        joined = [join(c, o) if is_floating_dtype(c) and is_floating_dtype(o) else c
+                  for c, o in zip(carry, outs)]
+        if joined == carry:
+            return carry, None
+        carry = joined
+    return carry, None
+
+
+def _scan_sizes(p: Params) -> tuple[int, int]:
+    """(number of consts, number of carries) of a ``scan`` equation."""
+    if "num_consts" in p:  # jax 0.10
+        return p["num_consts"], p["num_carry"]
+    consts, carry, _ = p["ft_in"].unpack()  # jax >= 0.11: a flat tree (consts, carry, xs)
+    return len(consts), len(carry)
+
+
+@register(P.scan_p)
+def _scan(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    p = Params(eqn)
+    nc, nk = _scan_sizes(p)
+    d = _dtypes(invals)
+    consts_d, carry_d, xs_d = d[:nc], d[nc:nc + nk], d[nc + nk:]
+    carry_d, body = _stable_carry(ctx, p["jaxpr"], consts_d, carry_d, xs_d, slice(0, nk))
+    if body is None:
+        n_ys = len(p["jaxpr"].out_avals) - nk
+        body = autocast_jaxpr(ctx, p["jaxpr"], consts_d + carry_d + xs_d, carry_d + [None] * n_ys)
+    consts, xs = invals[:nc], invals[nc + nk:]
+    carry = [ctx.cast(x, dt) for x, dt in zip(invals[nc:nc + nk], carry_d)]
+    body_fn = jaxpr_as_fun(body)
+
+    # Re-entered through the public API (the primitive's parameters differ between
+    # JAX versions); the body is already autocast, so this only traces it again.
+    def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+        outs = body_fn(*consts, *carry, *x)
+        return list(outs[:nk]), list(outs[nk:])
+
+    carry, ys = lax.scan(step, carry, list(xs), length=p["length"], reverse=p["reverse"],
+                         unroll=p["unroll"])
+    return [*carry, *ys]
+
+
+@register(P.while_p)
+def _while(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    p = Params(eqn)
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    d = _dtypes(invals)
+    cond_d, body_d, carry_d = d[:cn], d[cn:cn + bn], d[cn + bn:]
+    carry_d, body = _stable_carry(ctx, p["body_jaxpr"], body_d, carry_d, [], slice(None))
+    if body is None:
+        body = autocast_jaxpr(ctx, p["body_jaxpr"], body_d + carry_d, carry_d)
+    cond = autocast_jaxpr(ctx, p["cond_jaxpr"], cond_d + carry_d)
+    body, body_hoisted = _hoist(body)
+    cond, cond_hoisted = _hoist(cond)
+    carry = [ctx.cast(x, dt) for x, dt in zip(invals[cn + bn:], carry_d)]
+    params = dict(p, body_jaxpr=body, cond_jaxpr=cond, cond_nconsts=cn + len(cond_hoisted),
+                  body_nconsts=bn + len(body_hoisted))
+    return bind(eqn, [*cond_hoisted, *invals[:cn], *body_hoisted, *invals[cn:cn + bn], *carry],
+                params)
+
+
+@register(P.cond_p)
+def _cond(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    p = Params(eqn)
+    index, ops = invals[0], invals[1:]
+    d = _dtypes(ops)
+    traced = [autocast_jaxpr(ctx, b, d) for b in p["branches"]]
+    # Every branch must return the same types: the widest any branch produces.
+    out_d = []
+    for avals in zip(*(t.out_avals for t in traced)):
+        dts = [a.dtype for a in avals]
+        floating = all(is_floating_dtype(x) for x in dts)
+        out_d.append(functools.reduce(join, dts) if floating else dts[0])
+    branches = tuple(t if [a.dtype for a in t.out_avals] == out_d
+                     else autocast_jaxpr(ctx, b, d, out_d)
+                     for t, b in zip(traced, p["branches"]))
+    return bind(eqn, [index, *ops], dict(p, branches=branches))
+
+
+def _hoist(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
+    """Moves a closed jaxpr's consts to leading inputs (loops take consts as operands)."""
+    if not closed.consts:
+        return closed, []
+    consts = list(closed.consts)
+    n = len(consts)
+    const_structs = [struct(np.shape(c), dtype_of(c)) for c in consts]
+    in_structs = [struct(a.shape, a.dtype, a.weak_type) for a in closed.in_avals]
+    hoisted: ClosedJaxpr = jax.make_jaxpr(
+        lambda *a: jax.core.eval_jaxpr(closed.jaxpr, a[:n], *a[n:])
+    )(*const_structs, *in_structs)
+    return hoisted, consts

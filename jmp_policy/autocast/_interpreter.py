@@ -1,0 +1,324 @@
+"""The autocast interpreter: a jaxpr evaluated equation by equation, each at its precision.
+
+`eval_jaxpr` walks a jaxpr and re-emits every equation through `eval_equation`,
+which picks the precision:
+
+* a higher-order primitive (``jit``, ``scan``, ``custom_vjp_call``...) goes to
+  the handler registered for it with `register` (see ``_higher_order``);
+* a primitive without floating inputs, or whose parameters fix its dtypes,
+  runs as traced;
+* otherwise its class decides (see ``_rules``): matrix work goes to
+  ``Context.matmul``, float32 primitives get inputs widened to at least
+  float32, the others take the widest dtype of their inputs.
+
+Everything an evaluation needs is in a `Context`, created once per trace and
+narrowed per equation with `Context.at`: there is no module-level state.
+Another module can run the same dispatch with its own matrix rule or watch
+every equation through ``observe``:
+
+>>> import jax, jax.numpy as jnp, numpy as np
+>>> from jmp_policy.autocast._matmul import matmul
+>>> from jmp_policy.autocast._rules import parse_rules
+>>> seen = []
+>>> ctx = Context(np.dtype(jnp.float16), parse_rules(None), matmul,
+...               observe=lambda ctx, eqn, ins, outs: seen.append(eqn.primitive.name))
+>>> closed = jax.make_jaxpr(lambda x: jnp.exp(x @ x))(jnp.ones((2, 2)))
+>>> [out.dtype for out in eval_jaxpr(ctx, closed.jaxpr, closed.consts, [jnp.ones((2, 2))])]
+[dtype('float32')]
+>>> seen
+['dot_general', 'exp']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import numpy as np
+from jax.extend import source_info_util
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Var
+
+from jmp_policy._dtypes import is_floating_dtype
+from jmp_policy.autocast._lattice import (
+    F32, DType, convert, dtype_of, is_floating, join, represents, struct, widest)
+from jmp_policy.autocast._rules import INDEPENDENT, TRACED_DTYPES, AutocastWarning, Rules
+
+Handler = Callable[["Context", JaxprEqn, list[Any]], Any]
+"""Evaluates one equation under autocast: ``(ctx, eqn, invals) -> outputs``.
+
+Returns what ``eqn.primitive.bind`` would: a list of outputs when the
+primitive has multiple results, else one output."""
+
+MatmulRule = Handler
+"""Evaluates one equation of the matmul class (not pinned to float32)."""
+
+Observer = Callable[["Context", JaxprEqn, Sequence[Any], Sequence[Any]], None]
+"""Called after each equation with its context, inputs and outputs (lists)."""
+
+_HANDLERS: dict[Primitive, Handler] = {}
+
+
+def register(*primitives: Primitive) -> Callable[[Handler], Handler]:
+    """Makes the decorated function the handler of ``primitives``.
+
+    Autocast rewrites a higher-order primitive rather than classifying it: its
+    handler evaluates the jaxprs in its parameters with `eval_jaxpr` (or
+    `autocast_jaxpr`) and binds the primitive again, so that the primitive
+    keeps its own semantics.
+    """
+    def decorator(handler: Handler) -> Handler:
+        for primitive in primitives:
+            if primitive in _HANDLERS:
+                raise ValueError(f"autocast already has a handler for {primitive.name!r}.")
+            _HANDLERS[primitive] = handler
+        return handler
+    return decorator
+
+
+def higher_order_names() -> frozenset[str]:
+    """The names of the primitives that have a handler."""
+    return frozenset(p.name for p in _HANDLERS)
+
+
+# --- The context --------------------------------------------------------------------
+
+class _Casts:
+    """The casts made while one jaxpr is evaluated, so each value is converted once per dtype.
+
+    Entries hold values of that evaluation's trace; `close` drops them when it
+    ends, so no tracer outlives its trace through a context that a derivative
+    rule keeps.
+    """
+
+    def __init__(self) -> None:
+        self._done: Optional[dict[tuple[int, DType], tuple[Any, Any]]] = {}
+
+    def __call__(self, x: Any, dtype: DType) -> Any:
+        if self._done is None or not is_floating(x) or dtype_of(x) == dtype:
+            return convert(x, dtype)
+        hit = self._done.get((id(x), dtype))
+        if hit is not None and hit[0] is x:  # the entry holds x, so its id is not reused
+            return hit[1]
+        y = convert(x, dtype)
+        self._done[(id(x), dtype)] = (x, y)
+        return y
+
+    def close(self) -> None:
+        self._done = None
+
+
+@dataclasses.dataclass
+class _TraceState:
+    """What one trace of an autocast function learns as it goes."""
+
+    warned: set[str] = dataclasses.field(default_factory=set)
+    matched: set[str] = dataclasses.field(default_factory=set)
+    paths: set[str] = dataclasses.field(default_factory=set)
+    # Sub-jaxprs already rewritten: JAX's own helpers (`_where`, `clip`...) are nested
+    # jits whose one jaxpr is called many times.
+    jaxprs: dict[tuple[Any, ...], tuple[ClosedJaxpr, ClosedJaxpr]] = dataclasses.field(
+        default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """How to evaluate the equations of one trace under autocast.
+
+    Attributes:
+      compute: the dtype of matrix work.
+      rules: the primitive classes and float32 scopes.
+      matmul: the rule for equations of the matmul class (see ``_matmul``).
+      observe: called after every equation, nested ones included.
+      scope: the ``jax.named_scope`` path of the current equation
+        (``"block/attention"``), once narrowed with `at`.
+      pinned: whether the current equation runs in float32 because it is
+        inside a float32 scope.
+    """
+
+    compute: DType
+    rules: Rules
+    matmul: MatmulRule
+    observe: Optional[Observer] = None
+    scope: str = ""
+    pinned: bool = False
+    _state: _TraceState = dataclasses.field(default_factory=_TraceState, repr=False)
+    _casts: _Casts = dataclasses.field(default_factory=_Casts, repr=False)
+
+    def at(self, eqn: JaxprEqn) -> Context:
+        """The context of ``eqn``, an equation of the jaxpr this context evaluates."""
+        scope = _join_path(self.scope, str(eqn.source_info.name_stack))
+        matched = self.rules.scopes_in(scope)
+        if self.rules.float32_scopes:
+            self._state.matched.update(matched)
+            self._state.paths.add(scope)
+        return dataclasses.replace(self, scope=scope, pinned=self.pinned or bool(matched))
+
+    def cast(self, x: Any, dtype: DType) -> Any:
+        """``x`` in ``dtype`` if both are floating, converted once per evaluated jaxpr."""
+        return self._casts(x, dtype)
+
+    def unmatched_scopes(self) -> list[tuple[str, list[str]]]:
+        """The float32 scopes no equation was in so far, each with near misses."""
+        names = {part for path in self._state.paths for part in path.split("/") if part}
+        return [(s, _near(s, names)) for s in self.rules.float32_scopes
+                if s not in self._state.matched]
+
+
+def _join_path(prefix: str, path: str) -> str:
+    return f"{prefix}/{path}" if prefix and path else prefix or path
+
+
+def _near(scope: str, names: set[str]) -> list[str]:
+    return [m for part in scope.split("/") for m in difflib.get_close_matches(part, names, n=2)]
+
+
+# --- Evaluation ------------------------------------------------------------------------
+
+def eval_jaxpr(ctx: Context, jaxpr: Jaxpr, consts: Sequence[Any],
+               args: Sequence[Any]) -> list[Any]:
+    """Evaluates ``jaxpr`` under autocast, like ``jax.core.eval_jaxpr(jaxpr, consts, *args)``.
+
+    Returns the outputs as a list, at the dtypes autocast gave them.
+    """
+    level = dataclasses.replace(ctx, _casts=_Casts())
+    env: dict[Var, Any] = {**dict(zip(jaxpr.constvars, consts)), **dict(zip(jaxpr.invars, args))}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    try:
+        for eqn in jaxpr.eqns:
+            eqn_ctx = level.at(eqn)
+            invals = [read(v) for v in eqn.invars]
+            # Re-emitted with its call site and name scope, as jax.core.eval_jaxpr does,
+            # so profiles, error messages and scopes of nested autocasts still see them.
+            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+            with source_info_util.user_context(eqn.source_info.traceback,
+                                               name_stack=name_stack), eqn.ctx.manager:
+                outs = eval_equation(eqn_ctx, eqn, invals)
+            if ctx.observe is not None:
+                ctx.observe(eqn_ctx, eqn, invals, outs)
+            env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
+    finally:
+        level._casts.close()
+
+
+def eval_equation(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
+    """Evaluates one equation at the precision autocast gives it; returns its outputs."""
+    handler = _HANDLERS.get(eqn.primitive)
+    outs = handler(ctx, eqn, invals) if handler is not None else _first_order(ctx, eqn, invals)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _first_order(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    name = eqn.primitive.name
+    if not any(is_floating(x) for x in invals):
+        return bind(eqn, invals)
+    if name == "convert_element_type":
+        return _convert(ctx, eqn, invals[0])
+    if eqn.params.get("out_dtype") is not None or name in TRACED_DTYPES:
+        return bind(eqn, _at_traced_dtypes(ctx, eqn, invals))
+    cls = "float32" if ctx.pinned else ctx.rules.class_of(eqn.primitive)
+    if cls is None:
+        _warn_unknown(ctx, name)
+        return bind(eqn, _at_traced_dtypes(ctx, eqn, invals))
+    if cls == "matmul":
+        return ctx.matmul(ctx, eqn, invals)
+    if name in INDEPENDENT:  # each operand keeps its dtype (widened for float32)
+        return bind(eqn, [ctx.cast(x, join(dtype_of(x), F32)) if cls == "float32" else x
+                          for x in invals])
+    params = dict(eqn.params)
+    target = widest(invals, [getattr(v.aval, "weak_type", False) for v in eqn.invars])
+    if cls == "float32":
+        target = join(target, F32)
+        if params.get("preferred_element_type") is not None:  # matrix work pinned to float32
+            params["preferred_element_type"] = target
+    return bind(eqn, [ctx.cast(x, target) for x in invals], params)
+
+
+def _convert(ctx: Context, eqn: JaxprEqn, x: Any) -> Any:
+    """A float-to-float cast written in ``fn`` only ever widens.
+
+    The traced jaxpr cannot tell a user's ``x.astype(jnp.float16)`` from the
+    casts JAX itself inserts when ``fn`` is traced with half-precision inputs
+    (``jnp.mean`` and ``logsumexp`` compute in float32 and cast back). Applying
+    those would narrow float32 results mid-function, so narrowing happens only
+    where autocast decides: at matrix work and at ``fn``'s outputs.
+    """
+    new = eqn.params["new_dtype"]
+    if not is_floating_dtype(new):
+        return bind(eqn, [x])
+    return ctx.cast(x, new) if represents(np.dtype(new), dtype_of(x)) else x
+
+
+def _at_traced_dtypes(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
+    return [ctx.cast(x, dtype_of(v.aval)) for x, v in zip(invals, eqn.invars)]
+
+
+def _warn_unknown(ctx: Context, name: str) -> None:
+    if name in ctx._state.warned:
+        return
+    ctx._state.warned.add(name)
+    warnings.warn(
+        f"autocast does not know the primitive {name!r}; it is evaluated at the dtypes "
+        "it was traced with. Classify it with autocast(..., rules={'follow': [prim]}) "
+        "(or 'float32' / 'matmul') to silence this warning.",
+        AutocastWarning, stacklevel=2)
+
+
+# --- Helpers for rules and handlers -------------------------------------------------------
+
+def bind(eqn: JaxprEqn, invals: Sequence[Any], params: Optional[dict[str, Any]] = None) -> Any:
+    """Binds ``eqn``'s primitive to ``invals``, with ``params`` instead of its own if given."""
+    params = eqn.params if params is None else params
+    bind_params = eqn.primitive.get_bind_params(params)  # type: ignore[no-untyped-call]
+    return eqn.primitive.bind(*invals, **bind_params)  # type: ignore[no-untyped-call]
+
+
+class Params(dict[str, Any]):
+    """An equation's parameters, for handlers: a missing one means JAX changed the primitive.
+
+    Handlers read JAX-internal parameters of higher-order primitives; a renamed
+    one is a clear error naming primitive and parameter, not a ``KeyError`` or,
+    worse, a wrong result.
+    """
+
+    def __init__(self, eqn: JaxprEqn):
+        super().__init__(eqn.params)
+        self.primitive = eqn.primitive.name
+
+    def __missing__(self, key: str) -> Any:
+        raise NotImplementedError(
+            f"autocast: the {self.primitive!r} primitive of jax {jax.__version__} has no "
+            f"parameter {key!r} (it has {sorted(self)}), so this JAX version changed its "
+            "internals and autocast cannot rewrite it. Please report this with your JAX version.")
+
+
+def autocast_jaxpr(ctx: Context, closed: ClosedJaxpr, in_dtypes: Sequence[Any],
+                   out_dtypes: Optional[Sequence[Any]] = None) -> ClosedJaxpr:
+    """``closed`` rewritten by autocast for inputs of ``in_dtypes``, as a new closed jaxpr.
+
+    Where ``out_dtypes`` has a dtype (not ``None``), that floating output is
+    cast to it: loops and branches use this to give their outputs agreed types.
+    """
+    key = (id(closed), tuple(in_dtypes), out_dtypes and tuple(out_dtypes), ctx.pinned,
+           ctx.scope if ctx.rules.float32_scopes else None)
+    hit = ctx._state.jaxprs.get(key)
+    if hit is not None and hit[0] is closed:  # the entry holds `closed`, so its id is not reused
+        return hit[1]
+    structs = [struct(a.shape, d, getattr(a, "weak_type", False))
+               for a, d in zip(closed.in_avals, in_dtypes)]
+
+    def body(*args: Any) -> list[Any]:
+        outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, args)
+        if out_dtypes is None:
+            return outs
+        return [o if d is None else convert(o, d) for o, d in zip(outs, out_dtypes)]
+
+    result: ClosedJaxpr = jax.make_jaxpr(body)(*structs)
+    ctx._state.jaxprs[key] = (closed, result)
+    return result

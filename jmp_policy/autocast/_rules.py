@@ -1,0 +1,222 @@
+"""Which precision each primitive runs in: the default classes and the ``rules=`` argument.
+
+Every primitive with floating inputs belongs to one of three classes:
+
+``"matmul"``
+    Matrix work (`MATMUL_PRIMITIVES`): operands in the policy's compute dtype,
+    accumulation and result in float32.
+``"float32"``
+    Numerically sensitive primitives (`FLOAT32_PRIMITIVES`): floating inputs
+    widened to at least float32.
+``"follow"``
+    Everything else autocast knows (`FOLLOW_PRIMITIVES`): the widest floating
+    input wins, as in JAX's own promotion.
+
+``rules`` moves primitives between classes and pins ``jax.named_scope`` scopes
+to float32:
+
+>>> rules = parse_rules({"float32": ["tanh"], "float32_scopes": ["block/attention"]})
+>>> rules.classes["tanh"], rules.classes["exp"]
+('float32', 'float32')
+>>> rules.scopes_in("model/block/attention/dot")
+('block/attention',)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Collection, Literal, Mapping, Optional
+
+from jax.extend.core import Primitive
+
+Class = Literal["matmul", "float32", "follow"]
+
+
+class AutocastWarning(UserWarning):
+    """Autocast met a primitive it has no rule for, or a rule that matched nothing.
+
+    Each is reported once per trace of the autocast function, naming the
+    primitive or the rule.
+    """
+
+
+MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+
+FLOAT32_PRIMITIVES = frozenset({
+    # Transcendentals whose half-precision results lose most of their digits or overflow.
+    "exp", "exp2", "log", "log1p", "expm1", "pow", "logistic", "erf", "erfc", "erf_inv",
+    "rsqrt", "sqrt", "cbrt", "tan", "sinh", "cosh", "asin", "acos", "asinh", "acosh", "atanh",
+    "lgamma", "digamma", "polygamma", "igamma", "igammac", "igamma_grad_a", "zeta",
+    "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta", "random_gamma",
+    # Squares overflow float16 above 256: norms and variances start here.
+    "square", "integer_pow",
+    # Division overflows for small divisors; mean, softmax and normalisation end here.
+    "div",
+    # Accumulations.
+    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum",
+    # The first primitive of softmax / log_softmax / logsumexp: widening here makes the
+    # whole `x - max(x)`, `exp`, `sum`, `log` chain float32 (max itself is exact).
+    "reduce_max",
+    # Linear algebra and FFTs (often unsupported in half precision, and ill-conditioned).
+    "cholesky", "cholesky_update", "eig", "eigh", "lu", "qr", "svd", "schur", "hessenberg",
+    "triangular_solve", "tridiagonal", "tridiagonal_solve", "geqrf", "geqp3",
+    "householder_product", "ormqr", "symmetric_product", "fft",
+})
+
+FOLLOW_PRIMITIVES = frozenset({
+    # Elementwise.
+    "abs", "add", "add_any", "sub", "mul", "neg", "max", "min", "sign", "floor", "ceil",
+    "round", "nextafter", "rem", "clamp", "select_n", "tanh", "sin", "cos", "atan", "atan2",
+    "is_finite", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
+    "shift_left", "shift_right_arithmetic", "shift_right_logical", "population_count", "clz",
+    "real", "imag", "conj", "complex", "reduce_precision", "stop_gradient", "copy", "copy_p",
+    # Structural.
+    "broadcast_in_dim", "reshape", "transpose", "squeeze", "slice", "dynamic_slice",
+    "dynamic_update_slice", "gather", "concatenate", "pad", "rev", "tile", "split",
+    "iota", "select_and_gather_add", "select_and_scatter_add",
+    # Order statistics (exact in any precision).
+    "reduce_min", "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin",
+    "cummax", "cummin", "sort", "top_k", "approx_top_k", "reduce_window_max", "reduce_window_min",
+    # Sharding, placement and collectives.
+    "device_put", "optimization_barrier", "sharding_constraint", "reshard",
+    "layout_constraint", "pvary", "psum", "pmax", "pmin", "all_gather", "all_to_all",
+    "ppermute", "axis_index", "reduce_scatter", "psum_invariant", "all_gather_invariant",
+    "pbroadcast",
+    # PRNG (no floating inputs).
+    "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in",
+    "random_split", "random_clone", "threefry2x32", "iota_2x32_shape", "rng_bit_generator",
+})
+
+# Variadic primitives whose operands are independent values: each keeps its own dtype.
+INDEPENDENT = frozenset({
+    "sort", "device_put", "optimization_barrier", "psum", "pmax", "pmin", "all_gather",
+    "all_to_all", "ppermute", "reduce_scatter", "select_and_gather_add", "psum_invariant",
+    "all_gather_invariant", "pvary",
+})
+
+# Primitives whose parameters fix their dtypes (an embedded reduction jaxpr, a callback's
+# result types, a bit layout): they run at the dtypes they were traced with, silently.
+TRACED_DTYPES = frozenset({
+    "bitcast_convert_type", "reduce", "reduce_window", "select_and_scatter",
+    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
+    "pure_callback", "io_callback", "debug_callback", "debug_print", "ffi_call",
+    "rng_uniform", "convert_element_type",
+})
+
+_DEFAULTS: Mapping[Class, frozenset[str]] = {
+    "matmul": MATMUL_PRIMITIVES, "float32": FLOAT32_PRIMITIVES, "follow": FOLLOW_PRIMITIVES,
+}
+_KNOWN = MATMUL_PRIMITIVES | FLOAT32_PRIMITIVES | FOLLOW_PRIMITIVES | TRACED_DTYPES
+_KEYS = (*_DEFAULTS, "float32_scopes")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """The parsed ``rules=`` argument, defaults included.
+
+    Attributes:
+      classes: primitive name -> its class.
+      float32_scopes: the scopes pinned to float32, as the user wrote them
+        (``"block/attention"``).
+    """
+
+    classes: Mapping[str, Class]
+    float32_scopes: tuple[str, ...] = ()
+
+    def class_of(self, primitive: Primitive) -> Optional[Class]:
+        """The class of ``primitive``; ``None`` for a primitive autocast does not know."""
+        return self.classes.get(primitive.name)
+
+    def scopes_in(self, path: str) -> tuple[str, ...]:
+        """The float32 scopes found in a name-scope path such as ``"model/block/attention"``.
+
+        A scope matches a contiguous run of the path's components, at any depth:
+        ``"attention"`` and ``"block/attention"`` both match that path,
+        ``"lock"`` and ``"model/attention"`` do not.
+        """
+        if not self.float32_scopes or not path:
+            return ()
+        parts = path.split("/")
+        return tuple(s for s in self.float32_scopes if _contains(parts, s.split("/")))
+
+
+def _contains(parts: list[str], run: list[str]) -> bool:
+    n = len(run)
+    return any(parts[i:i + n] == run for i in range(len(parts) - n + 1))
+
+
+def parse_rules(rules: Optional[Mapping[str, Any]],
+                higher_order: Collection[str] = ()) -> Rules:
+    """Validates ``rules`` and merges it into the default classes.
+
+    Args:
+      rules: ``None``, or a mapping with keys among ``"matmul"``, ``"float32"``,
+        ``"follow"`` (primitive names or ``jax.extend.core.Primitive`` objects
+        to move into that class) and ``"float32_scopes"`` (``jax.named_scope``
+        names, ``/``-joined for nested scopes).
+      higher_order: names of the primitives autocast rewrites rather than
+        classifies; listing one in a class is an error.
+    """
+    classes: dict[str, Class] = {n: c for c, names in _DEFAULTS.items() for n in names}
+    if rules is None:
+        return Rules(classes)
+    if not isinstance(rules, Mapping):
+        raise TypeError(
+            f"autocast rules must be a mapping with keys among {', '.join(_KEYS)}, "
+            "e.g. {'float32': ['tanh'], 'float32_scopes': ['attention']}; "
+            f"got {type(rules).__name__}.")
+    unknown = [k for k in rules if k not in _KEYS]
+    if unknown:
+        raise ValueError(
+            f"Unknown autocast rules key(s) {unknown!r}: valid keys are {', '.join(_KEYS)}.")
+    listed: dict[str, Class] = {}
+    for cls in _DEFAULTS:
+        for prim in _as_list(rules.get(cls, ()), f"rules[{cls!r}]"):
+            name = _primitive_name(prim, higher_order)
+            if listed.setdefault(name, cls) != cls:
+                raise ValueError(
+                    f"Primitive {name!r} is listed under both rules[{listed[name]!r}] and "
+                    f"rules[{cls!r}]: list it under one class only.")
+    classes.update(listed)
+    scopes = _as_list(rules.get("float32_scopes", ()), "rules['float32_scopes']")
+    return Rules(classes, tuple(_scope(s) for s in scopes))
+
+
+def _as_list(value: Any, what: str) -> list[Any]:
+    if isinstance(value, (str, Primitive)):
+        return [value]
+    try:
+        return list(value)
+    except TypeError:
+        raise TypeError(f"{what} must be a name or a list of names, got {value!r}.") from None
+
+
+def _primitive_name(prim: Any, higher_order: Collection[str]) -> str:
+    if not isinstance(prim, (str, Primitive)):
+        raise TypeError(
+            f"autocast rules list primitives by name ('exp') or Primitive object; got {prim!r}.")
+    name = prim.name if isinstance(prim, Primitive) else prim
+    if name in higher_order:
+        raise ValueError(
+            f"{name!r} is a higher-order primitive: autocast applies its rules inside it, so it "
+            "cannot be moved to a class; move the primitives it contains instead.")
+    if name in TRACED_DTYPES:
+        raise ValueError(
+            f"{name!r} always runs at the dtypes it was traced with (its parameters fix its "
+            "types), so it cannot be moved to another class.")
+    if isinstance(prim, str) and name not in _KNOWN:
+        close = difflib.get_close_matches(name, sorted(_KNOWN), n=3)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise ValueError(
+            f"Unknown primitive name {name!r} in autocast rules.{hint} Pass primitives "
+            "autocast does not list by their jax.extend.core.Primitive object instead.")
+    return name
+
+
+def _scope(scope: Any) -> str:
+    if not isinstance(scope, str) or not all(scope.split("/")):
+        raise ValueError(
+            "rules['float32_scopes'] entries must be jax.named_scope names such as "
+            f"'attention' or 'block/attention' (no empty parts); got {scope!r}.")
+    return scope
