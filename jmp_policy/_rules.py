@@ -100,22 +100,21 @@ def compile_path_regex(pattern: object, owner: str, n: int, example: str) -> re.
 
 def warn_unmatched(
     rules: Sequence[Rule[Any]],
-    matched: set[int],
+    unmatched: Iterable[int],
     owner: str,
     where: str,
     seen: Sequence[str],
     stacklevel: int,
 ) -> None:
-    """Warns for each rule whose index is not in ``matched``.
+    """Warns for each rule whose index is in ``unmatched``, naming it.
 
     ``where`` says what the rules were applied to ("leaf of the tree", "module
     of the model"); ``seen`` are a few of its paths, to show what they look
     like; ``stacklevel`` counts from the caller of this function.
     """
     examples = ", ".join(repr(path) for path in seen[:3])
-    for n, rule in enumerate(rules):
-        if n not in matched:
-            warnings.warn(
-                f"{owner} rule #{n} ({rule.describe()}) matched no {where}; check it for a "
-                f"typo. Paths there look like: {examples or '(none)'}.",
-                UnmatchedRuleWarning, stacklevel=stacklevel + 1)
+    for n in sorted(unmatched):
+        warnings.warn(
+            f"{owner} rule #{n} ({rules[n].describe()}) matched no {where}; check it for a "
+            f"typo. Paths there look like: {examples or '(none)'}.",
+            UnmatchedRuleWarning, stacklevel=stacklevel + 1)

@@ -1,7 +1,7 @@
 """Flax integration: policies for linen and NNX modules (optional; needs flax).
 
 ``import jmp_policy`` never imports this module; ``import jmp_policy.flax`` does,
-and imports flax.
+and imports flax (``pip install "jmp_policy[flax]"``).
 
 Flax layers already know two dtypes: ``dtype`` (the computation) and
 ``param_dtype`` (the stored parameters). A policy maps onto them directly:
@@ -38,20 +38,29 @@ and reading the scale back with `optimizer_loss_scale`.
 
 from __future__ import annotations
 
+import re
 import threading
-from typing import Any, Callable, Iterable, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
-import flax.linen as nn
+try:
+    import flax.linen as nn
+    from flax import nnx
+except ModuleNotFoundError as e:  # only Flax's own absence; a broken install raises as it is
+    if e.name is None or e.name.partition(".")[0] != "flax":
+        raise
+    raise ImportError(
+        'jmp_policy.flax needs Flax, which is not installed: pip install "jmp_policy[flax]". '
+        "(jmp_policy itself works without it.)") from e
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 import jmp_policy
+from jmp_policy import _rules
 from jmp_policy._casting import path_str
 from jmp_policy.policy import Policy, PolicyLike, as_policy
-from jmp_policy.policy_map import compile_path_regex, parse_rules
 
 __all__ = [
     "ModulePolicy",
@@ -63,13 +72,19 @@ __all__ = [
     "set_nnx_policy",
 ]
 
-# A rule's key: a module class (matches instances of it and of its subclasses)
-# or a regex ``re.search``-ed against the module's ``/``-joined path.
-RuleKey = Union[type, str]
-Rules = Union[Mapping[RuleKey, PolicyLike], Iterable[Tuple[RuleKey, PolicyLike]]]
+M = TypeVar("M", bound=nnx.Module)
+
+#: Per-module rules: ``{key: policy}`` or ``[(key, policy), ...]``, tried in order.
+#: A key is a module class (it matches instances of the class and of its
+#: subclasses) or a regex ``re.search``-ed in the module's ``/``-joined path.
+#: Keys are checked when the rules are built; they are typed ``Any`` because a
+#: mapping whose keys mix classes and strings has no narrower type that mypy
+#: infers for a dict literal.
+Rules = Union[Mapping[Any, PolicyLike], Sequence[tuple[Any, PolicyLike]]]
+_Matcher = Union[type, re.Pattern[str]]
 
 
-def module_kwargs(policy: PolicyLike = None) -> dict:
+def module_kwargs(policy: PolicyLike = None) -> dict[str, Any]:
     """A policy as Flax constructor arguments: ``{"dtype": compute, "param_dtype": param}``.
 
     Works for linen (``nn.Dense(10, **module_kwargs(p))``) and NNX
@@ -93,38 +108,44 @@ def module_kwargs(policy: PolicyLike = None) -> dict:
 
 
 # ---------------------------------------------------------------------------
-# Linen: per-module policies through method interception.
+# Rules, shared by linen's module_policy and NNX's set_nnx_policy.
 # ---------------------------------------------------------------------------
-def _compile_rules(rules: Rules, api: str) -> Tuple[Tuple[RuleKey, Any, Policy], ...]:
+def _compile_rules(rules: Rules, api: str) -> tuple[_rules.Rule[_Matcher], ...]:
     """Validates ``(key, policy)`` rules for `module_policy` (linen) or `set_nnx_policy` (NNX)."""
-    base, other, other_api = ((nn.Module, nnx.Module, "set_nnx_policy") if api == "module_policy"
-                              else (nnx.Module, nn.Module, "module_policy"))
-    lib = {nn.Module: "flax.linen", nnx.Module: "flax.nnx"}
+    linen = api == "module_policy"
+    base: type = nn.Module if linen else nnx.Module
+    other: type = nnx.Module if linen else nn.Module
+    lib, other_lib = ("flax.linen", "flax.nnx") if linen else ("flax.nnx", "flax.linen")
+    other_api = "set_nnx_policy" if linen else "module_policy"
 
-    def compile_key(key: Any, n: int) -> Any:
+    def compile_key(key: object, n: int) -> _Matcher:
         if isinstance(key, str):
-            return compile_path_regex(key, api, n, "Block_0/LayerNorm_0")
+            return _rules.compile_path_regex(key, api, n, "Block_0/LayerNorm_0")
         if isinstance(key, type) and issubclass(key, base):
             return key
         if isinstance(key, type) and issubclass(key, other):
             raise TypeError(
-                f"{api} rule #{n}: {key.__name__} is a {lib[other]} module, which {api} "
+                f"{api} rule #{n}: {key.__name__} is a {other_lib} module, which {api} "
                 f"never sees; use {other_api} for those.")
         raise TypeError(
-            f"{api} rule #{n}: the key must be a {lib[base]}.Module subclass "
+            f"{api} rule #{n}: the key must be a {lib}.Module subclass "
             f"(e.g. LayerNorm) or a path regex string, got {key!r}.")
 
-    return parse_rules(rules, api, "key", f"a {lib[base]}.Module subclass or a path regex",
-                       compile_key)
+    return _rules.parse_rules(rules, api, "key", f"a {lib}.Module subclass or a path regex",
+                              compile_key)
 
 
-def _match(compiled, default: Optional[Policy], module: Any, path: str) -> Optional[Policy]:
-    for _, matcher, policy in compiled:
-        if isinstance(matcher, type):
-            if isinstance(module, matcher):
-                return policy
-        elif matcher.search(path):
-            return policy
+def _matching(rules: Sequence[_rules.Rule[_Matcher]], module: Any, path: str) -> list[int]:
+    """The indices of the rules that match ``module`` at ``path``, in order."""
+    return [n for n, rule in enumerate(rules)
+            if (isinstance(module, rule.matcher) if isinstance(rule.matcher, type)
+                else rule.matcher.search(path))]
+
+
+def _choose(rules: Sequence[_rules.Rule[_Matcher]], matching: list[int],
+            default: Optional[Policy], module: Any) -> Optional[Policy]:
+    if matching:
+        return rules[matching[0]].policy
     # The default is for layers (modules with a ``dtype`` field). Applied to a
     # container it would also cast the container's result, e.g. turn the float32
     # logits a rule asked for back into bfloat16.
@@ -138,7 +159,7 @@ def _has_field(module: Any, name: str) -> bool:
     return name in (fields if fields is not None else vars(module))
 
 
-def _dtype_overrides(module: Any, policy: Policy) -> dict:
+def _dtype_overrides(module: Any, policy: Policy) -> dict[str, Any]:
     """The dtype fields of ``module`` that ``policy`` sets; fields it lacks are left alone."""
     overrides = {}
     if _has_field(module, "dtype"):
@@ -146,6 +167,19 @@ def _dtype_overrides(module: Any, policy: Policy) -> dict:
     if _has_field(module, "param_dtype") and policy.param_dtype is not None:
         overrides["param_dtype"] = policy.param_dtype
     return overrides
+
+
+# ---------------------------------------------------------------------------
+# Linen: per-module policies through method interception.
+# ---------------------------------------------------------------------------
+class _Block(threading.local):
+    """What one thread's outermost ``with`` block of a `ModulePolicy` has seen."""
+
+    def __init__(self) -> None:
+        self.contexts: list[Any] = []  # the open flax interception contexts, innermost last
+        self.called = False  # whether any module was called in the block
+        self.matched: set[int] = set()  # rules that matched a module called in the block
+        self.paths: list[str] = []  # a few module paths, to show in a warning
 
 
 class ModulePolicy:
@@ -168,6 +202,11 @@ class ModulePolicy:
     Unmatched layers (modules with a ``dtype`` field) use ``default`` if given;
     every other module runs exactly as constructed.
 
+    A rule that matched none of the modules called in a ``with`` block is
+    reported with a `jmp_policy.UnmatchedRuleWarning` when the outermost block
+    ends (once per rule). Under ``jit`` modules are called while tracing, so a
+    block around a call that hits jit's cache sees no module and reports nothing.
+
     Interception goes through ``flax.linen.intercept_methods``, whose interceptor
     stack is thread-local: a ``with`` block affects only its own thread. It
     reaches into lifted transforms (``nn.remat``, ``nn.scan``, ``nn.vmap``...);
@@ -181,33 +220,39 @@ class ModulePolicy:
     and each level casts the results on the way out.
     """
 
-    def __init__(self, rules: Rules, default: PolicyLike = None):
+    def __init__(self, rules: Rules, default: PolicyLike = None) -> None:
         self._rules = _compile_rules(rules, "module_policy")
         self._default = None if default is None else as_policy(default)
-        self._active = threading.local()
+        self._block = _Block()
+        self._warned: set[int] = set()
 
     @property
-    def rules(self) -> Tuple[Tuple[RuleKey, Policy], ...]:
-        return tuple((key, policy) for key, _, policy in self._rules)
+    def rules(self) -> tuple[tuple[Any, Policy], ...]:
+        """The ``(key, policy)`` pairs, in the order they are tried."""
+        return tuple((rule.key, rule.policy) for rule in self._rules)
 
     @property
     def default(self) -> Optional[Policy]:
+        """The policy of layers that no rule matches (``None``: as constructed)."""
         return self._default
 
     def __repr__(self) -> str:
-        rules = ", ".join(f"{getattr(k, '__name__', k)!r}: {str(p)!r}" for k, p in self.rules)
+        rules = ", ".join(f"{rule.describe()}: {str(rule.policy)!r}" for rule in self._rules)
         default = None if self._default is None else str(self._default)
         return f"ModulePolicy({{{rules}}}, default={default!r})"
 
     def policy_for(self, module: nn.Module) -> Optional[Policy]:
         """The policy for a bound linen module, or ``None`` if it runs as constructed."""
         path = path_str(module.path) if module.scope is not None else ""
-        return _match(self._rules, self._default, module, path)
+        return _choose(self._rules, _matching(self._rules, module, path), self._default, module)
 
-    def _intercept(self, next_fun: Callable[..., Any], args: tuple, kwargs: dict,
-                   context: Any) -> Any:
+    def _intercept(self, next_fun: Callable[..., Any], args: tuple[Any, ...],
+                   kwargs: dict[str, Any], context: Any) -> Any:
         module = context.module
-        policy = self.policy_for(module)
+        path = path_str(module.path) if module.scope is not None else ""
+        matching = _matching(self._rules, module, path)
+        self._record(matching, path)
+        policy = _choose(self._rules, matching, self._default, module)
         if policy is None:
             return next_fun(*args, **kwargs)
         overrides = _dtype_overrides(module, policy)
@@ -228,17 +273,34 @@ class ModulePolicy:
             for name, value in saved.items():
                 object.__setattr__(module, name, value)
 
-    def __enter__(self) -> "ModulePolicy":
-        stack = getattr(self._active, "stack", None)
-        if stack is None:
-            stack = self._active.stack = []
-        ctx = nn.intercept_methods(self._intercept)
-        ctx.__enter__()
-        stack.append(ctx)
+    def _record(self, matching: list[int], path: str) -> None:
+        block = self._block
+        block.called = True
+        block.matched.update(matching)
+        if path and len(block.paths) < 3 and path not in block.paths:
+            block.paths.append(path)
+
+    def __enter__(self) -> ModulePolicy:
+        block = self._block
+        if not block.contexts:  # the outermost block of this thread starts afresh
+            block.called = False
+            block.matched.clear()
+            block.paths.clear()
+        context = nn.intercept_methods(self._intercept)
+        context.__enter__()
+        block.contexts.append(context)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._active.stack.pop().__exit__(*exc)
+        block = self._block
+        block.contexts.pop().__exit__(*exc)
+        # Reported when the outermost block ends without error: only then have
+        # all the modules it calls been seen. Each rule is reported once.
+        if not block.contexts and exc[0] is None and block.called:
+            unmatched = set(range(len(self._rules))) - block.matched - self._warned
+            self._warned |= unmatched
+            _rules.warn_unmatched(self._rules, unmatched, "module_policy",
+                                  "module called in the with block", block.paths, stacklevel=2)
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Use as a decorator: ``fn`` runs inside this context."""
@@ -280,7 +342,7 @@ def module_policy(rules: Rules, default: PolicyLike = None) -> ModulePolicy:
 # ---------------------------------------------------------------------------
 # NNX.
 # ---------------------------------------------------------------------------
-def set_nnx_policy(model: nnx.Module, policy: PolicyLike = None, rules: Rules = ()) -> nnx.Module:
+def set_nnx_policy(model: M, policy: PolicyLike = None, rules: Rules = ()) -> M:
     """Sets the policy of every submodule of an NNX model in place; returns the model.
 
     NNX modules are mutable Python objects, so no interception is needed: each
@@ -288,7 +350,8 @@ def set_nnx_policy(model: nnx.Module, policy: PolicyLike = None, rules: Rules = 
     ``param_dtype`` attribute gets the param dtype and its own ``nnx.Param``
     values are cast to it. ``rules`` (module class or path regex -> policy, first
     match wins, as in `module_policy`) take precedence over ``policy``, which
-    applies to the rest (``None``: the global policy).
+    applies to the rest (``None``: the global policy). A rule that matches no
+    submodule is reported with a `jmp_policy.UnmatchedRuleWarning`.
 
     >>> from flax import nnx
     >>> model = nnx.Sequential(nnx.Linear(2, 4, rngs=nnx.Rngs(0)), nnx.LayerNorm(4, rngs=nnx.Rngs(0)))
@@ -296,17 +359,36 @@ def set_nnx_policy(model: nnx.Module, policy: PolicyLike = None, rules: Rules = 
     >>> model.layers[0].dtype, model.layers[1].dtype
     (dtype(bfloat16), dtype('float32'))
     """
+    if not isinstance(model, nnx.Module):
+        hint = ("; linen modules take a policy through module_kwargs(policy) when built, or "
+                "module_policy(...) around init/apply" if isinstance(model, nn.Module) else "")
+        raise TypeError(
+            f"set_nnx_policy expects a flax.nnx.Module, got {type(model).__module__}."
+            f"{type(model).__qualname__}{hint}.")
     compiled = _compile_rules(rules, "set_nnx_policy")
     default = as_policy(policy)
-    for path, module in nnx.iter_modules(model):
-        chosen = _match(compiled, default, module, path_str(path))
-        for name, value in _dtype_overrides(module, chosen).items():
-            setattr(module, name, value)
-            if name == "param_dtype":
-                for attr, var in list(vars(module).items()):
-                    if isinstance(var, nnx.Param) and jnp.issubdtype(var.dtype, jnp.floating):
-                        var.set_value(var.get_value().astype(value))
+    unmatched = set(range(len(compiled)))
+    paths = []
+    for parts, module in nnx.iter_modules(model):
+        path = path_str(parts)
+        matching = _matching(compiled, module, path)
+        unmatched.difference_update(matching)
+        paths.append(path)
+        chosen = _choose(compiled, matching, default, module)
+        if chosen is not None:
+            _set_module_dtypes(module, chosen)
+    _rules.warn_unmatched(compiled, unmatched, "set_nnx_policy", "submodule of the model",
+                          [path for path in paths if path], stacklevel=2)
     return model
+
+
+def _set_module_dtypes(module: nnx.Module, policy: Policy) -> None:
+    for name, value in _dtype_overrides(module, policy).items():
+        setattr(module, name, value)
+        if name == "param_dtype":
+            for var in list(vars(module).values()):
+                if isinstance(var, nnx.Param) and jnp.issubdtype(var.dtype, jnp.floating):
+                    var.set_value(var.get_value().astype(value))
 
 
 def optimizer_loss_scale(optimizer: nnx.Optimizer) -> Any:

@@ -120,9 +120,10 @@ class PolicyMap:
             pass
         paths = [_casting.path_str(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
         if paths:  # a tree without leaves has nothing to match
-            matched = {n for n, r in enumerate(self._compiled) for path in paths if r.matcher.search(path)}
-            _rules.warn_unmatched(self._compiled, matched, "PolicyMap", "leaf of the tree it was "
-                                  "applied to", paths, stacklevel=4)
+            unmatched = [n for n, rule in enumerate(self._compiled)
+                         if not any(rule.matcher.search(path) for path in paths)]
+            _rules.warn_unmatched(self._compiled, unmatched, "PolicyMap",
+                                  "leaf of the tree it was applied to", paths, stacklevel=4)
         policies = tuple(self.policy_for(path) for path in paths)
         self._by_structure[treedef] = policies
         return policies

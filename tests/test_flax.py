@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,21 @@ F32, F16, BF16 = np.dtype("float32"), np.dtype("float16"), np.dtype("bfloat16")
 def test_import_jmp_policy_does_not_import_flax():
     code = "import sys, jmp_policy; assert 'flax' not in sys.modules, sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_import_without_flax_names_the_extra_to_install():
+    code = """
+import sys
+sys.modules["flax"] = None  # as if Flax were not installed
+import jmp_policy  # works without Flax
+try:
+    import jmp_policy.flax
+except ImportError as e:
+    print(type(e).__name__, e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert out.stdout.startswith("ImportError ")  # not a bare ModuleNotFoundError
+    assert 'pip install "jmp_policy[flax]"' in out.stdout
 
 
 # ---------------------------------------------------------------------------
@@ -233,7 +249,7 @@ def test_module_policy_is_thread_local():
             results[name] = model.apply(variables, jnp.ones((1, 3))).dtype
 
     threads = [threading.Thread(target=worker, args=("f16", {"out": "float16"})),
-               threading.Thread(target=worker, args=("plain", {"nothing-matches": "float16"}))]
+               threading.Thread(target=worker, args=("plain", {"Dense_0": "float32"}))]
     for t in threads:
         t.start()
     for t in threads:
@@ -355,3 +371,58 @@ def test_set_nnx_policy_with_per_class_rules():
     jf.set_nnx_policy(model, "float32", rules=[("out", "float16")])
     assert model.hidden.kernel.dtype == F32 and model.out.kernel.dtype == F16
     assert model(x).dtype == F16
+
+
+def test_set_nnx_policy_rejects_what_is_not_an_nnx_module():
+    with pytest.raises(TypeError, match=r"expects a flax\.nnx\.Module, got flax\.linen.*Dense; "
+                                        r"linen modules take a policy through module_kwargs"):
+        jf.set_nnx_policy(nn.Dense(3), "mixed_float16")
+    with pytest.raises(TypeError, match=r"expects a flax\.nnx\.Module, got builtins\.dict"):
+        jf.set_nnx_policy({"w": jnp.ones(2)}, "mixed_float16")  # type: ignore[type-var]
+    model = MLP("float32", nnx.Rngs(0))
+    assert jf.set_nnx_policy(model, "mixed_float16") is model
+
+
+# ---------------------------------------------------------------------------
+# Rules that match nothing
+# ---------------------------------------------------------------------------
+def test_module_policy_warns_once_for_a_rule_that_matched_no_module(lm_vars):
+    x = jnp.ones((2, 8))
+    policies = jf.module_policy({"LayerNrom": "float32", nn.Conv: "float32", "logits": "float32"})
+    with pytest.warns(jmp_policy.UnmatchedRuleWarning) as record:
+        with policies:
+            with policies:
+                LM().apply(lm_vars, x)
+            assert not record  # reported when the outermost block ends
+    assert [str(w.message).split(";")[0] for w in record] == [
+        "module_policy rule #0 ('LayerNrom') matched no module called in the with block",
+        "module_policy rule #1 (Conv) matched no module called in the with block"]
+    assert "'LayerNorm_0'" in str(record[0].message) or "'Dense_0'" in str(record[0].message)
+    assert record[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with policies:  # each rule is reported once, not on every step
+            LM().apply(lm_vars, x)
+        with jf.module_policy({"LayerNrom": "float32"}):
+            pass  # no module called: nothing to report
+        with pytest.raises(RuntimeError):
+            with jf.module_policy({"LayerNrom": "float32"}):
+                LM().apply(lm_vars, x)
+                raise RuntimeError("the block did not finish")
+    with pytest.warns(jmp_policy.UnmatchedRuleWarning, match="LayerNrom"):
+        jf.module_policy({"LayerNrom": "float32"})(LM().apply)(lm_vars, x)  # as a decorator
+    with pytest.warns(jmp_policy.UnmatchedRuleWarning, match="LayerNrom"):
+        jax.jit(jf.module_policy({"LayerNrom": "float32"})(LM().apply))(lm_vars, x)  # tracing
+
+
+def test_set_nnx_policy_warns_for_a_rule_that_matched_no_submodule():
+    model = MLP("float32", nnx.Rngs(0))
+    with pytest.warns(jmp_policy.UnmatchedRuleWarning,
+                      match=r"set_nnx_policy rule #1 \('LayerNrom'\) matched no submodule.*'hidden'"
+                      ) as record:
+        jf.set_nnx_policy(model, "mixed_bfloat16", rules=[(nnx.LayerNorm, "float32"),
+                                                          ("LayerNrom", "float32")])
+    assert len(record) == 1 and record[0].filename == __file__
+    with pytest.warns(jmp_policy.UnmatchedRuleWarning, match=r"rule #0 \(Conv\)"):
+        jf.set_nnx_policy(model, "float32", rules={nnx.Conv: "float16"})
+    assert model.norm.dtype == F32 and model.hidden.dtype == F32

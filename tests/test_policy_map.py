@@ -1,5 +1,11 @@
 """Tests for jmp_policy.policy_map.PolicyMap."""
 
+import copy
+import dataclasses
+import pickle
+import warnings
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,3 +127,40 @@ def test_bad_rules(rules, exc, match):
 def test_bad_default():
     with pytest.raises(TypeError, match="Expected a Policy"):
         PolicyMap({}, default=1.0)
+
+
+# ---------------------------------------------------------------------------
+# Rules that match nothing
+# ---------------------------------------------------------------------------
+def test_rule_that_matches_no_leaf_warns_naming_it_once_per_tree_structure():
+    pm = PolicyMap({"LayerNrom": "float32", "Dense": "bfloat16"}, default="float32")
+    params = flax_like_params()
+    with pytest.warns(jmp_policy.UnmatchedRuleWarning, match=r"rule #0 \('LayerNrom'\)") as record:
+        out = pm.cast_to_compute(params)
+    assert len(record) == 1  # "Dense" matched
+    assert "params/Dense_0/kernel" in str(record[0].message)  # shows what paths look like
+    assert record[0].filename == __file__
+    assert out["params"]["LayerNorm_0"]["scale"].dtype == F32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same structure again (a training step): no repeat
+        pm.cast_to_param(params)
+        pm.cast_to_output(jax.tree_util.tree_map(lambda x: x + 1, params))
+        pm.cast_to_compute({})  # nothing to match
+        jax.jit(pm.cast_to_compute)(params)
+    with pytest.warns(jmp_policy.UnmatchedRuleWarning, match="LayerNrom"):
+        pm.wrap(lambda p, x: x)({"Dense_0": jnp.ones(2)}, jnp.ones(2))  # another structure
+    with pytest.warns(jmp_policy.UnmatchedRuleWarning, match="LayerNrom"):
+        jax.jit(PolicyMap({"LayerNrom": "float32"}).cast_to_compute)(params)  # at trace time
+    assert issubclass(jmp_policy.UnmatchedRuleWarning, UserWarning)
+
+
+def test_policy_map_is_a_frozen_picklable_value():
+    pm = PolicyMap([("LayerNorm", "float32"), ("bias$", "float16")], default="mixed_bfloat16")
+    pm.cast_to_compute(flax_like_params())  # fills its cache, which is not part of the value
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pm.default = Policy("float32")  # type: ignore[misc]
+    assert pm.rules == (("LayerNorm", Policy("float32")), ("bias$", Policy("float16")))
+    for again in (pickle.loads(pickle.dumps(pm)), copy.deepcopy(pm)):
+        assert again == pm and hash(again) == hash(pm)
+        chex.assert_trees_all_equal_dtypes(again.cast_to_compute(flax_like_params()),
+                                           pm.cast_to_compute(flax_like_params()))
