@@ -13,7 +13,8 @@ from jax.extend.core import ClosedJaxpr
 from jmp_policy.autocast._interpreter import Context, eval_jaxpr, higher_order_names
 from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, is_floating
 from jmp_policy.autocast._matmul import matmul
-from jmp_policy.autocast._rules import AutocastWarning, Rules, parse_rules
+from jmp_policy._rules import UnmatchedRuleWarning
+from jmp_policy.autocast._rules import Rules, parse_rules
 from jmp_policy.policy import Policy, PolicyLike, as_policy
 
 
@@ -44,7 +45,7 @@ def autocast(
         primitive under a matching ``jax.named_scope`` (a contiguous run of
         scope names, at any depth) in float32, matrix work included. A scope
         that no operation of ``fn`` is in is reported with an
-        `AutocastWarning`, once per trace.
+        ``UnmatchedRuleWarning``, once per trace.
 
     >>> import jax, jax.numpy as jnp, jmp_policy
     >>> def layer(w, x):
@@ -129,7 +130,7 @@ def _run(closed: ClosedJaxpr, policy: Policy, rules: Rules, name: str, *values: 
         warnings.warn(
             f"autocast rules['float32_scopes'] entry {scope!r} matched no operation of "
             f"{name} (none is inside a jax.named_scope path containing {scope!r}).{hint}",
-            AutocastWarning, stacklevel=2)
+            UnmatchedRuleWarning, stacklevel=2)
     return [convert(o, output) for o in outs]
 
 

@@ -44,7 +44,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Va
 from jmp_policy._dtypes import is_floating_dtype
 from jmp_policy.autocast._lattice import (
     F32, DType, convert, dtype_of, is_floating, join, represents, struct, widest)
-from jmp_policy.autocast._rules import INDEPENDENT, TRACED_DTYPES, AutocastWarning, Rules
+from jmp_policy.autocast._rules import (
+    INDEPENDENT, TRACED_DTYPES, AutocastWarning, Rules, scope_names)
 
 Handler = Callable[["Context", JaxprEqn, list[Any]], Any]
 """Evaluates one equation under autocast: ``(ctx, eqn, invals) -> outputs``.
@@ -162,7 +163,7 @@ class Context:
 
     def unmatched_scopes(self) -> list[tuple[str, list[str]]]:
         """The float32 scopes no equation was in so far, each with near misses."""
-        names = {part for path in self._state.paths for part in path.split("/") if part}
+        names = {name for path in self._state.paths for name in scope_names(path)}
         return [(s, _near(s, names)) for s in self.rules.float32_scopes
                 if s not in self._state.matched]
 

@@ -18,7 +18,9 @@ to float32:
 >>> rules = parse_rules({"float32": ["tanh"], "float32_scopes": ["block/attention"]})
 >>> rules.classes["tanh"], rules.classes["exp"]
 ('float32', 'float32')
->>> rules.scopes_in("model/block/attention/dot")
+>>> rules.scopes_in("model/block/attention")
+('block/attention',)
+>>> rules.scopes_in("transpose(jvp(model))/block/attention")  # a backward pass
 ('block/attention',)
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from typing import Any, Collection, Literal, Mapping, Optional
 
 from jax.extend.core import Primitive
@@ -34,11 +37,7 @@ Class = Literal["matmul", "float32", "follow"]
 
 
 class AutocastWarning(UserWarning):
-    """Autocast met a primitive it has no rule for, or a rule that matched nothing.
-
-    Each is reported once per trace of the autocast function, naming the
-    primitive or the rule.
-    """
+    """Autocast met a primitive it has no rule for (reported once per trace, naming it)."""
 
 
 MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
@@ -73,7 +72,8 @@ FOLLOW_PRIMITIVES = frozenset({
     "real", "imag", "conj", "complex", "reduce_precision", "stop_gradient", "copy", "copy_p",
     # Structural.
     "broadcast_in_dim", "reshape", "transpose", "squeeze", "slice", "dynamic_slice",
-    "dynamic_update_slice", "gather", "concatenate", "pad", "rev", "tile", "split",
+    "dynamic_update_slice", "gather", "concatenate", "stack", "unstack", "pad", "rev", "tile",
+    "split",
     "iota", "select_and_gather_add", "select_and_scatter_add",
     # Order statistics (exact in any precision).
     "reduce_min", "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin",
@@ -131,14 +131,26 @@ class Rules:
     def scopes_in(self, path: str) -> tuple[str, ...]:
         """The float32 scopes found in a name-scope path such as ``"model/block/attention"``.
 
-        A scope matches a contiguous run of the path's components, at any depth:
+        A scope matches a contiguous run of the path's scope names, at any depth:
         ``"attention"`` and ``"block/attention"`` both match that path,
         ``"lock"`` and ``"model/attention"`` do not.
         """
         if not self.float32_scopes or not path:
             return ()
-        parts = path.split("/")
-        return tuple(s for s in self.float32_scopes if _contains(parts, s.split("/")))
+        names = scope_names(path)
+        return tuple(s for s in self.float32_scopes if _contains(names, s.split("/")))
+
+
+_TRANSFORMS = re.compile(r"^(?:\w+\()+|\)+$")
+
+
+def scope_names(path: str) -> list[str]:
+    """The ``jax.named_scope`` names in a name-stack path, without JAX's transformations.
+
+    JAX wraps the scopes a transformation traced in its name
+    (``transpose(jvp(block))``); a float32 scope matches those equations too.
+    """
+    return [name for name in (_TRANSFORMS.sub("", part) for part in path.split("/")) if name]
 
 
 def _contains(parts: list[str], run: list[str]) -> bool:
