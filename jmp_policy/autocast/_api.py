@@ -8,6 +8,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
+from jax.core import Tracer
 from jax.extend.core import ClosedJaxpr
 
 from jmp_policy.autocast._interpreter import Context, eval_jaxpr, higher_order_names
@@ -89,7 +90,7 @@ def _is_dynamic(leaf: Any) -> bool:
 
 
 def _is_tracer(x: Any) -> bool:
-    return isinstance(x, jax.core.Tracer)
+    return isinstance(x, Tracer)
 
 
 def _signature(treedef: Any, leaves: list[Any], values: list[Any]) -> Optional[tuple[Any, ...]]:

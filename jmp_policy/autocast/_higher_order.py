@@ -19,7 +19,7 @@ import jax
 import jax.extend.core.primitives as P
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
+from jax import core, lax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Primitive, jaxpr_as_fun
 
 from jmp_policy._dtypes import is_floating_dtype
@@ -54,6 +54,7 @@ def _jit(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
 
 @register(P.closed_call_p, P.call_p)
 def _call(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    # A plain call has nothing of its own to keep: its body is evaluated in place.
     jaxpr = Params(eqn)["call_jaxpr"]
     if isinstance(jaxpr, ClosedJaxpr):
         return eval_jaxpr(ctx, jaxpr.jaxpr, jaxpr.consts, invals)
@@ -290,6 +291,6 @@ def _hoist(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
     const_structs = [struct(np.shape(c), dtype_of(c)) for c in consts]
     in_structs = [struct(a.shape, a.dtype, a.weak_type) for a in closed.in_avals]
     hoisted: ClosedJaxpr = jax.make_jaxpr(
-        lambda *a: jax.core.eval_jaxpr(closed.jaxpr, a[:n], *a[n:])
+        lambda *a: core.eval_jaxpr(closed.jaxpr, a[:n], *a[n:])
     )(*const_structs, *in_structs)
     return hoisted, consts

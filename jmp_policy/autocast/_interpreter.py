@@ -306,8 +306,8 @@ def autocast_jaxpr(ctx: Context, closed: ClosedJaxpr, in_dtypes: Sequence[Any],
     Where ``out_dtypes`` has a dtype (not ``None``), that floating output is
     cast to it: loops and branches use this to give their outputs agreed types.
     """
-    key = (id(closed), tuple(in_dtypes), out_dtypes and tuple(out_dtypes), ctx.pinned,
-           ctx.scope if ctx.rules.float32_scopes else None)
+    key = (id(closed), tuple(in_dtypes), None if out_dtypes is None else tuple(out_dtypes),
+           ctx.pinned, ctx.scope if ctx.rules.float32_scopes else None)
     hit = ctx._state.jaxprs.get(key)
     if hit is not None and hit[0] is closed:  # the entry holds `closed`, so its id is not reused
         return hit[1]
