@@ -8,6 +8,12 @@ to rebuild. Supporting another higher-order primitive is one more handler here.
 
 Handlers read some JAX-internal parameters through `Params`, which turns a
 parameter a new JAX version renamed into a clear error.
+
+>>> import jax, jax.numpy as jnp, jmp_policy
+>>> f = jmp_policy.autocast(lambda x: jax.jit(jnp.tanh)(x @ x), "mixed_float16")
+>>> (jit,) = [e for e in jax.make_jaxpr(f)(jnp.ones((2, 2))).eqns if e.primitive.name == "jit"]
+>>> jit.params["name"], jit.params["jaxpr"].in_avals[0].dtype   # still a jit, on the float32 product
+('tanh', dtype('float32'))
 """
 
 from __future__ import annotations
@@ -90,8 +96,10 @@ def _shard_map(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
 
 # --- Custom derivatives ----------------------------------------------------------------
 #
-# The rules below run whenever the function is differentiated, possibly after this
-# trace has ended: they keep jaxprs, avals and the context, never a traced value.
+# The derivative rules below run whenever the function is differentiated, possibly
+# after this trace has ended, so they keep jaxprs, avals and the context, not traced
+# values. (The exception, a custom_vjp's consts, exists only where the function closes
+# over traced values, which JAX differentiates only within the trace that made them.)
 
 def _func_name(closed: ClosedJaxpr) -> str:
     info = getattr(closed.jaxpr, "debug_info", None)
