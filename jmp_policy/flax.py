@@ -38,9 +38,10 @@ and reading the scale back with `optimizer_loss_scale`.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
-from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Mapping, Optional, ParamSpec, Sequence, Tuple, TypeVar, Union
 
 try:
     import flax.linen as nn
@@ -73,6 +74,8 @@ __all__ = [
 ]
 
 M = TypeVar("M", bound=nnx.Module)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 #: Per-module rules: ``{key: policy}`` or ``[(key, policy), ...]``, tried in order.
 #: A key is a module class (it matches instances of the class and of its
@@ -302,10 +305,11 @@ class ModulePolicy:
             _rules.warn_unmatched(self._rules, unmatched, "module_policy",
                                   "module called in the with block", block.paths, stacklevel=2)
 
-    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
         """Use as a decorator: ``fn`` runs inside this context."""
 
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapped(*args: P.args, **kwargs: P.kwargs) -> R:
             with self:
                 return fn(*args, **kwargs)
 
