@@ -4,9 +4,9 @@ Only floating arrays are cast (JAX arrays, numpy arrays and scalars, tracers);
 everything else, including Python floats, passes through; a leaf already in
 the target dtype is returned as the same object.
 
-Speed matters when casting eagerly: dispatching one `astype` per leaf costs a
-few microseconds of Python and runtime overhead each, which dominates for
-pytrees of many small parameters. So concrete JAX arrays are converted in one
+Speed matters when casting eagerly: each `astype` is one dispatch, with its
+Python and runtime overhead, which dominates for pytrees of many small
+parameters. So concrete JAX arrays are converted in one
 jitted call per target dtype (one dispatch for the whole tree); under a trace
 the converts are emitted directly, exactly as a hand-written cast would.
 """

@@ -6,6 +6,7 @@ import pickle
 import threading
 import warnings
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -329,6 +330,21 @@ def test_cast_under_jit_and_as_static_or_normal_argument():
     assert f_static(x, Policy("bfloat16")).dtype == BF16  # a different static value retraces
     closed = jax.jit(lambda x: p.cast_to_compute(x))
     assert closed(x).dtype == F16
+
+
+class TestCastsWithAndWithoutJit(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_casts_and_wrap(self):
+        p = Policy("p=f32,c=bf16,o=f16")
+        tree = {"w": jnp.arange(6.0).reshape(2, 3), "n": jnp.arange(3), "h": jnp.ones(2, jnp.float16)}
+        out = self.variant(p.cast_to_compute)(tree)
+        chex.assert_trees_all_equal_dtypes(out, {"w": jnp.ones((2, 3), jnp.bfloat16), "n": tree["n"],
+                                                 "h": jnp.ones(2, jnp.bfloat16)})
+        chex.assert_trees_all_equal(out["w"].astype(jnp.float32), tree["w"])
+        y = self.variant(p.wrap(lambda w, x: x @ w))(jnp.ones((3, 2)), jnp.ones((4, 3)))
+        chex.assert_type(y, jnp.float16)
+        chex.assert_shape(y, (4, 2))
+        chex.assert_trees_all_equal(y, jnp.full((4, 2), 3.0, jnp.float16))
 
 
 def test_jit_adds_exactly_the_hand_written_converts():
