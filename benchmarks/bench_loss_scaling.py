@@ -187,11 +187,7 @@ def lm_workload(vocab: int, width: int, depth: int, heads: int, seq: int, batch:
 # --------------------------------------------------------------------------- #
 
 def build_variants(workload: str, loss_fn, skipped: list[str], donate: bool) -> list[Variant]:
-    """`loss_fn(params, batch)`; for the `opt` workload it is None (batch = grads).
-
-    ``donate`` is the jit mode the variants will be compiled in: jmp_policy is
-    told it (``loss_scaling(..., donated=donate)``), as its docs ask users to.
-    """
+    """`loss_fn(params, batch)`; for the `opt` workload it is None (batch = grads)."""
 
     def grads_and_loss(params, batch, scale=None):
         """Gradients of ``scale * loss`` (or of the loss when ``scale`` is None)."""
@@ -214,9 +210,8 @@ def build_variants(workload: str, loss_fn, skipped: list[str], donate: bool) -> 
 
     variants.append(Variant("optax.adam (baseline)", adam_step, adam.init, skips=False))
 
-    # 2. jmp_policy, as SPEC section 3 writes the train step.
-    tx = jmp_policy.loss_scaling(
-        adam, jmp_policy.DynamicLossScale(jnp.float32(SCALE)), donated=donate)
+    # 2. jmp_policy: update + optax.apply_updates, as its docs write the train step.
+    tx = jmp_policy.loss_scaling(adam, jmp_policy.DynamicLossScale(jnp.float32(SCALE)))
 
     def ours_step(params, state, batch):
         if loss_fn is None:
@@ -228,17 +223,6 @@ def build_variants(workload: str, loss_fn, skipped: list[str], donate: bool) -> 
         return optax.apply_updates(params, updates), state
 
     variants.append(Variant("jmp_policy.loss_scaling(adam)", ours_step, tx.init))
-
-    if hasattr(tx, "update_and_apply"):  # the fused form, where available
-        def fused_step(params, state, batch):
-            if loss_fn is None:
-                grads = batch
-            else:
-                scale = jmp_policy.get_loss_scale(state)
-                _, grads = jmp_policy.scaled_value_and_grad(loss_fn)(scale, params, batch)
-            return tx.update_and_apply(grads, state, params)
-
-        variants.append(Variant("jmp_policy ... .update_and_apply", fused_step, tx.init))
 
     # 3. DeepMind jmp, README recipe.
     jmp = _optional("jmp")

@@ -3,61 +3,62 @@
 ``loss_scaling(inner)`` wraps any optax optimizer. Each ``update``:
 
 1. unscales the gradients of the scaled loss;
-2. checks that every unscaled gradient is finite (one fused reduction, plus
-   one collective over ``axis_name`` when given);
-3. runs ``inner`` on finite steps only; a non-finite step returns zero updates
-   and leaves ``inner``'s state bit-for-bit unchanged;
+2. checks that every unscaled gradient is finite (on every device, and over
+   ``axis_name`` when given);
+3. runs ``inner`` on a finite step; on a non-finite step it returns zero
+   updates and passes ``inner``'s state through unchanged, bit for bit;
 4. adjusts the loss scale.
 
-The skip is a ``lax.cond``, not a ``select`` over every leaf: with donated
-params and optimizer state, XLA then updates buffers in place, and the
-unscale multiply fuses into the optimizer's first elementwise op. Without
-donation, ``donated=False`` makes the skip branch return fresh buffers, so
-XLA need not copy the inputs on every step. ``update_and_apply`` also moves
-``optax.apply_updates`` inside the taken branch.
+The skip is a ``lax.cond`` whose skip branch passes the state through, so a
+train step that donates params and optimizer state updates them in place.
 
 >>> import jax, jax.numpy as jnp, optax
 >>> import jmp_policy
 >>> params = {"w": jnp.ones(3)}
->>> tx = jmp_policy.loss_scaling(optax.sgd(0.1), "dynamic")
+>>> tx = jmp_policy.loss_scaling(optax.sgd(0.1))
 >>> state = tx.init(params)
 >>> loss_fn = lambda p: jnp.sum(p["w"] ** 2)
->>> loss, grads = jmp_policy.scaled_value_and_grad(loss_fn)(jmp_policy.get_loss_scale(state), params)
+>>> scale = jmp_policy.get_loss_scale(state)
+>>> loss, grads = jmp_policy.scaled_value_and_grad(loss_fn)(scale, params)
 >>> updates, state = tx.update(grads, state, params)
->>> updates["w"]
-Array([-0.2, -0.2, -0.2], dtype=float32)
+>>> params = optax.apply_updates(params, updates)
+>>> params["w"]
+Array([0.8, 0.8, 0.8], dtype=float32)
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.extend.core import jaxpr_as_fun
 
-from jmp_policy._dtypes import is_floating_dtype
+from jmp_policy._finite import is_inexact, unscaled_all_finite
 from jmp_policy.loss_scale import (
     DynamicLossScale,
     LossScale,
-    NoOpLossScale,
+    LossScaleLike,
     StaticLossScale,
-    _nonfinite_sum,
-    _scale_leaves,
     as_loss_scale,
+    scale_leaves,
 )
-from jmp_policy.policy import Policy
+
+AxisName = Union[None, str, Sequence[str]]
 
 
 class LossScalingState(NamedTuple):
     """State of `loss_scaling`.
 
     Attributes:
-      loss_scale: the current loss-scale object (use it to scale the next loss).
+      loss_scale: the current loss scale (scale the next step's loss with it).
       inner_state: the wrapped optimizer's state.
-      grads_finite: bool scalar, whether the last step's unscaled grads were finite.
-      skipped_steps: int32 scalar, how many steps were skipped (saturates at int32 max).
+      grads_finite: bool scalar, whether the last step's unscaled gradients
+        were all finite.
+      skipped_steps: int32 scalar, how many steps were skipped (saturates at
+        the int32 maximum).
     """
 
     loss_scale: LossScale
@@ -66,48 +67,33 @@ class LossScalingState(NamedTuple):
     skipped_steps: jax.Array
 
 
-def _as_loss_scale(loss_scale: Any) -> LossScale:
-    """Turns `loss_scaling`'s ``loss_scale`` argument into a loss-scale object."""
-    if isinstance(loss_scale, Policy):
-        return loss_scale.loss_scale
-    if not isinstance(loss_scale, str) and all(
-        hasattr(loss_scale, a) for a in ("loss_scale", "scale", "unscale", "adjust")
-    ):
-        return loss_scale  # ours, or a user-defined loss scale with the same interface
-    return as_loss_scale(loss_scale, also=" or a jmp_policy.Policy")
+class _LossScaling(optax.GradientTransformationExtraArgs):
+    """The type `loss_scaling` returns, so that nesting it can be refused."""
 
 
 def loss_scaling(
     inner: optax.GradientTransformation,
-    loss_scale: Any = "dynamic",
+    loss_scale: LossScaleLike = "dynamic",
     *,
-    axis_name: Union[None, str, Sequence[str]] = None,
-    donated: bool = True,
+    axis_name: AxisName = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` so that it sees unscaled gradients and skips non-finite steps.
 
     Args:
-      inner: the optimizer to apply on finite steps (any optax transformation;
-        extra ``update`` keyword arguments are passed through to it).
-      loss_scale: ``"dynamic"`` (a `DynamicLossScale` with default settings), a
-        number (static scale), ``None`` (no scaling, non-finite steps are still
-        skipped), a loss-scale object, or a `jmp_policy.Policy` (its loss scale).
-      axis_name: name(s) of mapped axes (``shard_map``/``pmap``) whose devices
-        hold different gradients: a non-finite gradient on any of them makes all
-        of them skip. Not needed under plain ``jit`` with sharded arrays, where
-        the finiteness reduction is already global.
-      donated: whether the jitted step that calls ``update`` donates the
-        optimizer state (and params) with ``donate_argnums``, as train loops
-        should. Results are identical either way; only memory traffic differs.
-        XLA updates donated buffers in place only if a skipped step passes them
-        through, and it writes fresh output buffers without first copying its
-        inputs only if a skipped step makes fresh values too; so ``True``
-        passes them through and ``False`` makes fresh copies (measured on
-        XLA:CPU, 8M params: 1.70x plain adam's bytes with the wrong setting,
-        1.10x-1.30x with the right one).
+      inner: the optimizer to run on finite steps (any optax transformation;
+        extra keyword arguments of ``update`` are passed on to it).
+      loss_scale: ``"dynamic"`` (a `DynamicLossScale` with default settings),
+        a number (a static scale), ``None`` (no scaling; non-finite steps are
+        still skipped), a loss-scale object, or a `jmp_policy.Policy` (its
+        loss scale).
+      axis_name: the name, or names, of mapped axes (``shard_map``, ``pmap``)
+        over which devices hold different gradients: a non-finite gradient on
+        any of them makes all of them skip. Not needed under plain ``jit``
+        with sharded arrays, where the check already spans every device.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs``; its state is a `LossScalingState`.
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      `LossScalingState`. Apply its updates with ``optax.apply_updates``.
 
     >>> import jax.numpy as jnp, optax
     >>> import jmp_policy
@@ -117,231 +103,216 @@ def loss_scaling(
     >>> bool(state.grads_finite), int(state.skipped_steps), updates["w"]
     (False, 1, Array([0., 0.], dtype=float32))
     """
-    if not isinstance(donated, bool):
-        raise TypeError(
-            f"loss_scaling: donated must be True (the step donates params and optimizer "
-            f"state) or False (it does not), got {donated!r}.")
-    initial_scale = _as_loss_scale(loss_scale)
+    initial_scale = as_loss_scale(loss_scale)
+    if isinstance(initial_scale, StaticLossScale) and _is_zero(initial_scale.loss_scale):
+        raise ValueError(
+            "loss_scaling: a static loss scale of 0 zeroes every gradient, so every step would "
+            "be skipped; use a positive scale, 'dynamic', or None for no scaling.")
+    if isinstance(inner, _LossScaling):
+        raise ValueError(_NESTED)
+    axes = _axis_names(axis_name)
     inner = optax.with_extra_args_support(inner)
 
-    def init_fn(params):
+    def init_fn(params: optax.Params) -> LossScalingState:
+        inner_state = inner.init(params)
+        if _loss_scaling_states(inner_state):
+            raise ValueError(_NESTED)
         return LossScalingState(
-            # A copy per init: otherwise every state this transformation makes
-            # shares the closed-over scale's buffers, and donating one state
-            # deletes the loss scale of all the others.
+            # A copy per init: states from one transformation must not share
+            # buffers, or donating one state would delete the others' scale.
             loss_scale=jax.tree_util.tree_map(jnp.array, initial_scale),
-            inner_state=inner.init(params),
+            inner_state=inner_state,
             grads_finite=jnp.asarray(True),
             skipped_steps=jnp.zeros((), jnp.int32),
         )
 
-    def step(grads, state, params, extra_args, apply_to_params):
-        if not isinstance(state, LossScalingState):
-            raise TypeError(
-                f"loss_scaling.update expected a LossScalingState (from this "
-                f"transformation's init), got {type(state).__name__}."
-            )
+    def update_fn(
+        grads: optax.Updates,
+        state: LossScalingState,
+        params: Optional[optax.Params] = None,
+        **extra_args: Any,
+    ) -> Tuple[optax.Updates, LossScalingState]:
+        _check_update_args(grads, state)
         scale = state.loss_scale
-        # A traced scale's `1 / scale`, computed here rather than in the taken
-        # branch: there it is a scalar kernel that every optimizer kernel waits
-        # for (XLA:CPU, donated 8M-param Adam: 1.23x instead of 1.15x its wall).
-        inverse = 1 / scale.loss_scale if isinstance(scale, DynamicLossScale) else None
-        # Finiteness of the *unscaled* grads from one read of each scaled
-        # gradient (see `_nonfinite_sum`); nothing gradient-sized is written.
-        nonfinite = _nonfinite_sum(jax.tree_util.tree_leaves(grads),
-                                   _unscale_multiplier(scale, inverse))
-        if axis_name is not None:
-            # NaN propagates through the sum: one scalar collective.
-            nonfinite = jax.lax.psum(nonfinite, axis_name)
-        grads_finite = jnp.isfinite(nonfinite)
+        # One inverse for the check and the unscaling, computed once outside
+        # the cond rather than in front of every kernel of the taken branch.
+        inverse = 1 / jnp.asarray(scale.loss_scale, jnp.float32)
+        finite = unscaled_all_finite(grads, inverse if _unscaling_can_overflow(scale) else None)
+        if axes:
+            finite = jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32), axes) == 0
 
-        # Array-valued extra arguments are cond operands; anything else (Python
-        # numbers, strings, callables) is closed over, as optax.MultiSteps does.
-        array_args = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
-        static_args = {k: v for k, v in extra_args.items() if k not in array_args}
+        def apply(grads: optax.Updates, inner_state: optax.OptState,
+                  params: Optional[optax.Params]) -> Tuple[optax.Updates, optax.OptState]:
+            # Unscaled inside the branch, so that XLA fuses the multiply into
+            # the optimizer's first elementwise kernel instead of writing it out.
+            unscaled = scale_leaves(grads, inverse)
+            try:
+                return inner.update(unscaled, inner_state, params, **extra_args)
+            except (AttributeError, KeyError, TypeError, ValueError) as e:
+                _raise_if_foreign(inner, grads, inner_state, e)
+                raise
 
-        # The predicate's only consumer is the cond: the bookkeeping happens
-        # inside the branches, where the predicate is a constant, so XLA does
-        # not copy the finiteness computation into several fusions.
-        def apply_inner(grads, state, params, array_args, inverse):
-            # Unscaling here (not before the cond) lets XLA fuse the multiply
-            # into the optimizer's first elementwise op instead of writing it out.
-            # `_scale_leaves` by `inverse` is `DynamicLossScale.unscale`.
-            unscaled = (state.loss_scale.unscale(grads) if inverse is None
-                        else _scale_leaves(grads, inverse))
-            updates, inner_state = inner.update(
-                unscaled, state.inner_state, params, **array_args, **static_args)
-            return updates, LossScalingState(
-                loss_scale=state.loss_scale.adjust(jnp.asarray(True)),
-                inner_state=inner_state,
-                grads_finite=jnp.asarray(True),
-                skipped_steps=state.skipped_steps,
-            )
-
-        operands = (grads, state, params, array_args, inverse)
-        applied = jax.eval_shape(apply_inner, *operands)
-
-        def skip(grads, state, params, array_args, inverse):
-            updates_shape, state_shape = applied
-            # zeros_like of the ShapeDtypeStructs keeps explicit shardings too.
-            zeros = jax.tree_util.tree_map(jnp.zeros_like, updates_shape)
-            inner_state = _keep(state.inner_state, state_shape.inner_state)
-            return zeros, LossScalingState(
-                loss_scale=state.loss_scale.adjust(jnp.asarray(False)),
-                inner_state=inner_state if donated else _fresh(inner_state),
-                grads_finite=jnp.asarray(False),
-                # optax's own saturating increment: the same kernel as the inner
-                # optimizer's step count, which XLA compiles once.
-                skipped_steps=optax.safe_increment(state.skipped_steps),
-            )
-
-        # Under shard_map both branches must also agree on which values vary
-        # across devices (e.g. zeros vs. updates computed from sharded grads).
-        target = _union_varying(applied, jax.eval_shape(skip, *operands))
-        if apply_to_params:
-            # The parameter update happens inside the taken branch, so XLA
-            # fuses it with the optimizer's last elementwise op and the
-            # updates are never written out; the skip branch passes params
-            # through (in place when donated).
-            def finite_branch(*args):
-                updates, new_state = _make_varying(apply_inner(*args), target)
-                return optax.apply_updates(args[2], updates), new_state
-
-            def skip_branch(*args):
-                params = args[2] if donated else _fresh(args[2])
-                return params, _make_varying(skip(*args), target)[1]
-
-            # As for update: both branches must agree on varying axes (shard_map).
-            fused_target = _union_varying(
-                jax.eval_shape(finite_branch, *operands), jax.eval_shape(skip_branch, *operands))
-            return jax.lax.cond(
-                grads_finite,
-                lambda *args: _make_varying(finite_branch(*args), fused_target),
-                lambda *args: _make_varying(skip_branch(*args), fused_target),
-                *operands,
-            )
-        return jax.lax.cond(
-            grads_finite,
-            lambda *args: _make_varying(apply_inner(*args), target),
-            lambda *args: _make_varying(skip(*args), target),
-            *operands,
+        updates, inner_state = _run_if(finite, apply, _skip, grads, state.inner_state, params)
+        return updates, LossScalingState(
+            loss_scale=scale.adjust(finite),
+            inner_state=inner_state,
+            grads_finite=finite,
+            skipped_steps=jnp.where(finite, state.skipped_steps,
+                                    optax.safe_increment(state.skipped_steps)),
         )
 
-    def update_fn(grads, state, params=None, **extra_args):
-        return step(grads, state, params, extra_args, apply_to_params=False)
-
-    def update_and_apply(grads, state, params, **extra_args):
-        """``(optax.apply_updates(params, updates), new_state)`` in one skip.
-
-        Same result, bit for bit, as ``update`` followed by
-        ``optax.apply_updates``; the parameter update happens inside the
-        taken branch, fused with the optimizer's last kernel, so no updates
-        tree is written out (8M-param Adam step on XLA:CPU: 1.10x plain
-        adam's bytes, against 1.30x for ``update`` + ``apply_updates``).
-        """
-        return step(grads, state, params, extra_args, apply_to_params=True)
-
-    tx = _LossScaling(init_fn, update_fn)
-    tx.update_and_apply = update_and_apply
-    return tx
+    return _LossScaling(init_fn, update_fn)
 
 
-class _LossScaling(optax.GradientTransformationExtraArgs):
-    """`loss_scaling`'s return type: an optax transformation plus ``update_and_apply``."""
+def _is_zero(value: Any) -> bool:
+    return not isinstance(value, jax.core.Tracer) and bool(value == 0)
 
 
-def _varying_axes(aval: Any) -> frozenset:
-    """The mesh axes a value varies over inside ``shard_map`` (empty elsewhere)."""
-    manual = getattr(aval, "manual_axis_type", None)  # None: not an array type
-    return frozenset(manual.varying) if manual is not None else frozenset()
+_NESTED = (
+    "loss_scaling: the inner optimizer already contains a loss_scaling transformation, so "
+    "the gradients would be unscaled twice; wrap the optimizer in loss_scaling once.")
 
 
-def _union_varying(a: Any, b: Any) -> Any:
-    return jax.tree_util.tree_map(lambda x, y: _varying_axes(x) | _varying_axes(y), a, b)
+def _run_if(
+    pred: jax.Array,
+    apply: Callable[..., Any],
+    skip: Callable[[Any, Any], Any],
+    *operands: Any,
+) -> Any:
+    """``lax.cond(pred, apply, skip, *operands)``, tracing ``apply`` only once.
 
-
-def _make_varying(tree: Any, target: Any) -> Any:
-    def cast(x, axes):
-        missing = tuple(sorted(axes - _varying_axes(jax.typeof(x))))
-        if not missing:
-            return x
-        return jax.lax.pcast(x, missing, to="varying")
-
-    return jax.tree_util.tree_map(cast, tree, target)
-
-
-def _unscale_multiplier(scale: Any, inverse: Any) -> Any:
-    """``1 / loss_scale`` if unscaling may turn finite grads into inf, else None.
-
-    Only a scale below 1 can: a `DynamicLossScale` with ``min_loss_scale >= 1``
-    or a `StaticLossScale` >= 1 never does, and then the finiteness check of
-    the scaled grads is exact for the unscaled ones, at no extra cost.
-    ``inverse`` is a dynamic scale's ``1 / loss_scale``, already computed.
+    ``skip(out_shapes, *operands)`` gets the shapes and dtypes of ``apply``'s
+    outputs, so it can return values of the same types. Both branches' outputs
+    are made to vary over the same ``shard_map`` axes.
     """
-    if isinstance(scale, NoOpLossScale):
-        return None
-    if isinstance(scale, DynamicLossScale):
-        return None if scale.min_loss_scale >= 1 else inverse
-    if isinstance(scale, StaticLossScale) and not isinstance(scale.loss_scale, jax.core.Tracer):
-        if scale.loss_scale >= 1:
-            return None
-    return 1 / scale.loss_scale
+    closed, out_shapes = jax.make_jaxpr(apply, return_shape=True)(*operands)
+    out_tree = jax.tree_util.tree_structure(out_shapes)
+    skipped_shapes = jax.eval_shape(lambda *ops: skip(out_shapes, *ops), *operands)
+    axes = jax.tree_util.tree_map(
+        lambda a, b: _varying(a) | _varying(b), out_shapes, skipped_shapes)
+
+    def taken(*ops: Any) -> Any:
+        outs = jaxpr_as_fun(closed)(*jax.tree_util.tree_leaves(ops))
+        return _vary(jax.tree_util.tree_unflatten(out_tree, outs), axes)
+
+    return jax.lax.cond(pred, taken, lambda *ops: _vary(skip(out_shapes, *ops), axes),
+                        *operands)
 
 
-_FRESH_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
+def _skip(out_shapes: Any, grads: Any, inner_state: Any, params: Any) -> Any:
+    """A skipped step: zero updates, and ``inner_state`` as it was."""
+    del grads, params
+    updates_shapes, state_shapes = out_shapes
+    # -0.0: p + (-0.0) is p for every p, the zero of either sign included.
+    zeros = jax.tree_util.tree_map(lambda s: jnp.full_like(s, -0.0), updates_shapes)
+    return zeros, _keep(inner_state, state_shapes)
 
 
-def _fresh(tree: Any) -> Any:
-    """The same values, bit for bit, in new buffers that XLA will not elide.
+def _keep(inner_state: Any, state_shapes: Any) -> Any:
+    """``inner_state`` unchanged, in the dtypes a finite step gives it.
 
-    A skipped step that returns its inputs unchanged makes XLA copy every
-    non-donated input before the cond on *every* step (an output may not alias
-    a buffer the caller keeps); an exact identity inside the skip branch moves
-    that copy into the branch, which runs only on skipped steps. Rounding to
-    the dtype's own exponent and mantissa widths is such an identity.
-    """
-
-    def fresh(x):
-        if getattr(x, "dtype", None) in _FRESH_DTYPES:
-            info = jnp.finfo(x.dtype)
-            return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-        return x  # integer/bool leaves are small scalars in practice (step counts)
-
-    return jax.tree_util.tree_map(fresh, tree)
-
-
-def _keep(inner_state: Any, applied_shape: Any) -> Any:
-    """``inner_state`` unchanged, in the dtypes a finite step would have produced.
-
-    Some optimizers change a state leaf's dtype on their first update (e.g.
-    ``inject_hyperparams(adam)`` with bfloat16 params: bfloat16 moments become
-    float32); both branches of the cond must agree. Values are unchanged: such
-    casts only widen.
+    Some optimizers widen a state leaf on their first update (with bfloat16
+    params, ``inject_hyperparams(adam)``'s moments become float32); both
+    branches must agree. Widening keeps every value.
     """
     try:
         return jax.tree_util.tree_map(
-            lambda old, new: old if jnp.result_type(old) == new.dtype else jnp.asarray(old, new.dtype),
-            inner_state,
-            applied_shape,
-        )
+            lambda old, new: jnp.asarray(old, new.dtype), inner_state, state_shapes)
     except ValueError as e:
         raise ValueError(
-            "loss_scaling: the inner optimizer's update returns a state whose structure "
-            "differs from the state it was given, so a skipped step cannot keep the old "
-            f"state. Make the inner transformation's state structure constant. ({e})"
-        ) from None
+            "loss_scaling: the inner optimizer's update returns a state whose structure differs "
+            "from the state it was given, so a skipped step cannot keep the old state. Make "
+            f"the inner transformation's state structure constant. ({e})") from None
 
 
-def _find_states(tree: Any, found: list) -> None:
-    is_state = lambda x: isinstance(x, LossScalingState)
+def _varying(x: Any) -> frozenset[str]:
+    """The ``shard_map`` axes over which ``x`` varies (none outside ``shard_map``)."""
+    manual = getattr(x, "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset()
+
+
+def _vary(tree: Any, axes: Any) -> Any:
+    """Marks each leaf of ``tree`` as varying over its entry in ``axes``."""
+
+    def cast(x: Any, axes: frozenset[str]) -> Any:
+        missing = tuple(sorted(axes - _varying(jax.typeof(x))))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree_util.tree_map(cast, tree, axes)
+
+
+def _unscaling_can_overflow(scale: LossScale) -> bool:
+    """Whether ``scale`` can be below 1, so that unscaling can overflow a finite gradient."""
+    if isinstance(scale, DynamicLossScale):
+        return scale.min_loss_scale < 1
+    if isinstance(scale, StaticLossScale):
+        return isinstance(scale.loss_scale, jax.core.Tracer) or bool(scale.loss_scale < 1)
+    return False
+
+
+def _axis_names(axis_name: AxisName) -> Tuple[str, ...]:
+    if axis_name is None:
+        return ()
+    names = (axis_name,) if isinstance(axis_name, str) else axis_name
+    if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"loss_scaling: axis_name must be a mapped axis name (a string, e.g. 'batch') or a "
+            f"sequence of them, got {axis_name!r} of type {type(axis_name).__name__}.")
+    return tuple(names)
+
+
+def _check_update_args(grads: Any, state: Any) -> None:
+    if not isinstance(state, LossScalingState):
+        raise TypeError(
+            f"loss_scaling.update expected the LossScalingState made by this transformation's "
+            f"init, got {type(state).__name__}.")
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        dtype = getattr(g, "dtype", None)
+        if dtype is not None and dtype != jax.dtypes.float0 and not is_inexact(g):
+            raise TypeError(
+                f"loss_scaling.update: the gradient at {jax.tree_util.keystr(path)!r} has dtype "
+                f"{dtype}; gradients must be floating (or float0, which jax.grad gives for integer "
+                "inputs with allow_int=True), since only floating values can be unscaled.")
+
+
+def _raise_if_foreign(inner: optax.GradientTransformation, grads: Any, inner_state: Any,
+                      error: Exception) -> None:
+    """Raises a clear error if ``inner_state`` is not a state of ``inner``."""
+    expected = jax.tree_util.tree_structure(jax.eval_shape(inner.init, grads))
+    got = jax.tree_util.tree_structure(inner_state)
+    if expected != got:
+        raise ValueError(
+            "loss_scaling.update: the optimizer state does not belong to this optimizer (was it "
+            "made by another optimizer's init?). Its inner state has the structure\n"
+            f"  {got}\nwhere this optimizer's init makes\n  {expected}.") from error
+
+
+def _loss_scaling_states(tree: Any) -> list[LossScalingState]:
+    """Every `LossScalingState` inside ``tree``, nested ones included."""
+    is_state = lambda x: isinstance(x, LossScalingState)  # noqa: E731
+    found = []
     for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_state):
         if is_state(leaf):
-            found.append(leaf)
-            _find_states(leaf.inner_state, found)  # nested loss_scaling is ambiguous
+            found += [leaf, *_loss_scaling_states(leaf.inner_state)]
+    return found
+
+
+def loss_scaling_state(opt_state: Any) -> LossScalingState:
+    """The one `LossScalingState` inside ``opt_state``, wherever it is nested."""
+    found = _loss_scaling_states(opt_state)
+    if not found:
+        raise ValueError(
+            "No LossScalingState found in the optimizer state; build the optimizer with "
+            "jmp_policy.loss_scaling(inner, loss_scale) and pass its state.")
+    if len(found) > 1:
+        raise ValueError(
+            f"The optimizer state holds {len(found)} LossScalingStates, so the loss scale is "
+            "ambiguous; pass the sub-state of the one you mean.")
+    return found[0]
 
 
 def get_loss_scale(opt_state: Any) -> LossScale:
-    """Returns the loss-scale object of the `LossScalingState` inside ``opt_state``.
+    """The loss scale of the `LossScalingState` inside ``opt_state``.
 
     The state may be nested anywhere: ``optax.chain``, ``named_chain``,
     ``inject_hyperparams``, ``MultiSteps``, dicts, tuples...
@@ -352,53 +323,48 @@ def get_loss_scale(opt_state: Any) -> LossScale:
     >>> float(jmp_policy.get_loss_scale(tx.init(jnp.zeros(2))).loss_scale)
     32768.0
     """
-    found: list = []
-    _find_states(opt_state, found)
-    if not found:
-        raise ValueError(
-            "get_loss_scale: no LossScalingState found in the optimizer state; build "
-            "the optimizer with jmp_policy.loss_scaling(inner, loss_scale) and pass its state."
-        )
-    if len(found) > 1:
-        raise ValueError(
-            f"get_loss_scale: the optimizer state holds {len(found)} LossScalingStates, "
-            "so the loss scale is ambiguous; pass the sub-state of the one you mean."
-        )
-    return found[0].loss_scale
+    return loss_scaling_state(opt_state).loss_scale
 
 
-def _scale_value(loss_scale: Any) -> jax.Array:
-    """The float32 scalar to multiply the loss by."""
-    value = getattr(loss_scale, "loss_scale", loss_scale)
-    dtype = getattr(value, "dtype", None)
-    try:
-        if isinstance(value, (bool, str)) or dtype == np.bool_ or (
-            dtype is not None and not jnp.issubdtype(dtype, jnp.number)
-        ):
-            raise TypeError
-        value = jnp.asarray(value, dtype=jnp.float32)
-    except (TypeError, ValueError):
-        raise TypeError(
-            "loss_scale must be a loss-scale object (e.g. jmp_policy.get_loss_scale(opt_state)) "
-            f"or a number/scalar array, got {loss_scale!r} of type {type(loss_scale).__name__}."
-        ) from None
-    if value.ndim != 0:
-        raise ValueError(f"loss_scale must be a scalar, got shape {value.shape}.")
-    return value
+def scaled_loss_fn(fun: Callable[..., Any], loss_scale: LossScaleLike,
+                   has_aux: bool) -> Callable[..., Tuple[jax.Array, Tuple[Any, Any]]]:
+    """``fun``'s loss times ``loss_scale``, as a function returning ``(scaled, (loss, aux))``.
+
+    The loss is widened to at least float32 before scaling: a float16 loss
+    times ``2**15`` would overflow.
+    """
+    scale = as_loss_scale(loss_scale)
+
+    def scaled(*args: Any, **kwargs: Any) -> Tuple[jax.Array, Tuple[Any, Any]]:
+        out = fun(*args, **kwargs)
+        if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError("scaled_value_and_grad(has_aux=True): fun must return a pair "
+                            f"(loss, aux), got {type(out).__name__}.")
+        loss, aux = out if has_aux else (out, None)
+        dtype = getattr(loss, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or np.ndim(loss) != 0:
+            raise TypeError(
+                "scaled_value_and_grad: fun must return a floating scalar loss"
+                f"{' as the first element of (loss, aux)' if has_aux else ''}, got "
+                f"{getattr(loss, 'shape', '')} {dtype if dtype is not None else type(loss).__name__}.")
+        wide = loss.astype(jnp.promote_types(dtype, jnp.float32))
+        return scale.scale(wide), (loss, aux)
+
+    return scaled
 
 
 def scaled_value_and_grad(
     fun: Callable[..., Any],
     argnums: Union[int, Sequence[int]] = 0,
     has_aux: bool = False,
-) -> Callable[..., Any]:
+) -> Callable[..., Tuple[Any, Any]]:
     """Like ``jax.value_and_grad``, but differentiates ``fun``'s loss times a loss scale.
 
-    Returns ``g(loss_scale, *args, **kwargs) -> (value, grads)`` where ``value``
-    is ``fun``'s unscaled result (``(loss, aux)`` when ``has_aux``) and
-    ``grads`` are the gradients of ``loss * loss_scale``, ready for a
-    `loss_scaling` optimizer's ``update``. A half-precision loss is promoted to
-    float32 before scaling, so ``loss * 2**15`` cannot overflow float16.
+    Returns ``g(loss_scale, *args, **kwargs) -> (value, grads)``: ``value`` is
+    ``fun``'s unscaled result (``(loss, aux)`` with ``has_aux``) and ``grads``
+    are the gradients of the scaled loss, ready for a `loss_scaling`
+    optimizer's ``update``. ``loss_scale`` takes the forms `loss_scaling`
+    takes; usually it is ``jmp_policy.get_loss_scale(opt_state)``.
 
     >>> import jax.numpy as jnp
     >>> import jmp_policy
@@ -408,33 +374,9 @@ def scaled_value_and_grad(
     (dtype('float16'), Array([2048., 2048.], dtype=float32))
     """
 
-    def value_and_grad(loss_scale, *args, **kwargs):
-        scale = _scale_value(loss_scale)
-
-        def scaled_loss(*args, **kwargs):
-            out = fun(*args, **kwargs)
-            if has_aux:
-                if not (isinstance(out, (tuple, list)) and len(out) == 2):
-                    raise TypeError(
-                        "scaled_value_and_grad(has_aux=True): fun must return a pair "
-                        f"(loss, aux), got {type(out).__name__}."
-                    )
-                loss, aux = out
-            else:
-                loss, aux = out, None
-            dtype = getattr(loss, "dtype", None)
-            if dtype is None or not is_floating_dtype(dtype) or np.ndim(loss) != 0:
-                raise TypeError(
-                    "scaled_value_and_grad: fun must return a floating scalar loss"
-                    f"{' as the first element of (loss, aux)' if has_aux else ''}, got "
-                    f"{getattr(loss, 'shape', '')} "
-                    f"{dtype if dtype is not None else type(loss).__name__}."
-                )
-            # Promote float16/bfloat16 losses: float16(loss) * 32768 overflows easily.
-            wide = loss.astype(jnp.promote_types(dtype, jnp.float32))
-            return wide * scale, (loss, aux)
-
-        grads, (loss, aux) = jax.grad(scaled_loss, argnums=argnums, has_aux=True)(*args, **kwargs)
+    def value_and_grad(loss_scale: LossScaleLike, *args: Any, **kwargs: Any) -> Tuple[Any, Any]:
+        scaled = scaled_loss_fn(fun, loss_scale, has_aux)
+        grads, (loss, aux) = jax.grad(scaled, argnums=argnums, has_aux=True)(*args, **kwargs)
         return ((loss, aux) if has_aux else loss), grads
 
     return value_and_grad
