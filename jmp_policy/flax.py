@@ -61,7 +61,9 @@ import optax
 import jmp_policy
 from jmp_policy import _rules
 from jmp_policy._casting import path_str
+from jmp_policy.loss_scale import LossScale, LossScaleLike
 from jmp_policy.policy import Policy, PolicyLike, as_policy
+from jmp_policy.transform import loss_scaling_state, scaled_loss_fn
 
 __all__ = [
     "ModulePolicy",
@@ -395,23 +397,19 @@ def _set_module_dtypes(module: nnx.Module, policy: Policy) -> None:
                     var.set_value(var.get_value().astype(value))
 
 
-def optimizer_loss_scale(optimizer: nnx.Optimizer) -> Any:
+def optimizer_loss_scale(optimizer: nnx.Optimizer[Any]) -> LossScale:
     """The current loss scale held in an ``nnx.Optimizer`` built on `jmp_policy.loss_scaling`.
 
     ``nnx.Optimizer`` wraps every array of its optax state in a ``Variable``; this
-    unwraps them and finds the scale with `jmp_policy.get_loss_scale`.
+    unwraps them and finds the scale as `jmp_policy.get_loss_scale` does.
     """
-    return jmp_policy.get_loss_scale(nnx.as_pure(optimizer.opt_state))
+    return loss_scaling_state(nnx.as_pure(optimizer.opt_state)).loss_scale
 
 
-def optimizer_skipped_steps(optimizer: nnx.Optimizer) -> jax.Array:
+def optimizer_skipped_steps(optimizer: nnx.Optimizer[Any]) -> jax.Array:
     """Total steps skipped for non-finite gradients, from an ``nnx.Optimizer``'s state."""
-    state = nnx.as_pure(optimizer.opt_state)
-    found = optax.tree_utils.tree_get_all_with_path(state, "skipped_steps")
-    if not found:
-        raise ValueError("No loss-scaling state in this optimizer: build it with "
-                         "nnx.Optimizer(model, jmp_policy.loss_scaling(tx, ...), wrt=nnx.Param).")
-    return found[0][1]
+    skipped: jax.Array = loss_scaling_state(nnx.as_pure(optimizer.opt_state)).skipped_steps
+    return skipped
 
 
 def nnx_scaled_value_and_grad(
@@ -419,25 +417,20 @@ def nnx_scaled_value_and_grad(
     argnums: int = 0,
     has_aux: bool = False,
     wrt: Any = nnx.Param,
-) -> Callable[..., Any]:
+) -> Callable[..., Tuple[Any, Any]]:
     """`jmp_policy.scaled_value_and_grad` for NNX: differentiates w.r.t. a module's ``wrt`` variables.
 
     Returns ``g(loss_scale, *args, **kwargs) -> (value, grads)``: ``value`` is the
     unscaled loss (``(loss, aux)`` with ``has_aux``), ``grads`` an ``nnx.State``
     of the gradients of the *scaled* loss, ready for ``optimizer.update`` with a
-    `jmp_policy.loss_scaling` transformation. The loss is scaled in float32 (a
-    float16 loss times a large scale would overflow). Module state changes made
-    by ``fun`` (batch statistics, RNG counters) are kept, as with ``nnx.grad``.
+    `jmp_policy.loss_scaling` transformation. ``loss_scale`` takes the same forms
+    as in `jmp_policy.scaled_value_and_grad`, and the loss is scaled the same way.
+    Module state changes made by ``fun`` (batch statistics, RNG counters) are
+    kept, as with ``nnx.grad``.
     """
 
-    def g(loss_scale: Any, *args: Any, **kwargs: Any) -> Tuple[Any, Any]:
-        def scaled(*a: Any, **k: Any) -> Tuple[jax.Array, Any]:
-            out = fun(*a, **k)
-            loss, aux = out if has_aux else (out, None)
-            if not (hasattr(loss, "shape") and np.shape(loss) == ()):
-                raise TypeError(f"The loss must be a scalar array, got {loss!r}.")
-            return loss_scale.scale(loss.astype(jnp.float32)), (loss, aux)
-
+    def g(loss_scale: LossScaleLike, *args: Any, **kwargs: Any) -> Tuple[Any, Any]:
+        scaled = scaled_loss_fn(fun, loss_scale, has_aux)
         grad_fn = nnx.grad(scaled, argnums=nnx.DiffState(argnums, wrt), has_aux=True)
         grads, (loss, aux) = grad_fn(*args, **kwargs)
         return ((loss, aux) if has_aux else loss), grads

@@ -77,9 +77,10 @@ def _real(x: Any, name: str) -> float:
             "pass a Python number (it may be built inside jit).")
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Real, np.ndarray, jax.Array)):
         raise TypeError(f"{name} must be a real number, got {x!r} of type {type(x).__name__}.")
-    if np.ndim(x) != 0 or not np.issubdtype(np.asarray(x).dtype, np.number):
+    value = np.asarray(x)
+    if value.ndim != 0 or not np.issubdtype(value.dtype, np.number):
         raise TypeError(f"{name} must be a real scalar, got {x!r}.")
-    return float(x)
+    return float(value)
 
 
 def _float32(x: Any, name: str) -> float:
@@ -133,11 +134,13 @@ def scale_leaves(tree: T, factor: Any) -> T:
     def scale(x: Any) -> Any:
         if not is_inexact(x):
             return x
-        # A Python float is a (weakly typed) float32 to JAX.
-        dtype = getattr(x, "dtype", None) or jnp.result_type(x)
+        dtype = getattr(x, "dtype", None)
+        if dtype is None:  # a Python float: a (weakly typed) float32 to JAX
+            dtype = jnp.result_type(x)
         return (x * factor).astype(dtype)
 
-    return jax.tree_util.tree_map(scale, tree)
+    scaled: T = jax.tree_util.tree_map(scale, tree)
+    return scaled
 
 
 # ---------------------------------------------------------------------------
@@ -240,7 +243,9 @@ class DynamicLossScale:
     max_loss_scale: Optional[Any] = None
 
     def __post_init__(self) -> None:
-        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        def set_(name: str, value: Any) -> None:  # a frozen dataclass
+            object.__setattr__(self, name, value)
+
         set_("period", _period(self.period))
         factor = _real(self.factor, "factor")
         if not (math.isfinite(factor) and factor > 1):
@@ -294,11 +299,11 @@ class DynamicLossScale:
                              max(self.min_loss_scale, _SMALLEST_SCALE))
         loss_scale = jnp.where(grads_finite, jnp.where(grow, grown, self.loss_scale), shrunk)
         counter = jnp.where(grads_finite & ~grow, counter, 0)
-        # Through the pytree machinery, not __init__: the settings are already
-        # checked and the new leaves are usually traced.
-        return jax.tree_util.tree_unflatten(
-            jax.tree_util.tree_structure(self),
-            [loss_scale.astype(jnp.float32), counter.astype(jnp.int32)])
+        # Without __init__: the settings are already checked and the new
+        # leaves are usually traced.
+        return _dynamic_unflatten(
+            (self.period, self.factor, self.min_loss_scale, self.max_loss_scale),
+            (loss_scale.astype(jnp.float32), counter.astype(jnp.int32)))
 
 
 def _period(period: Any) -> int:
@@ -416,4 +421,5 @@ def select_tree(pred: Any, a: T, b: T) -> T:
     Array([0., 0.], dtype=float32)
     """
     pred = _check_bool_scalar(pred, "select_tree(pred, a, b)")
-    return jax.tree_util.tree_map(lambda x, y: jax.lax.select(pred, x, y), a, b)
+    selected: T = jax.tree_util.tree_map(lambda x, y: jax.lax.select(pred, x, y), a, b)
+    return selected

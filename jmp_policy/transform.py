@@ -6,7 +6,9 @@
 2. checks that every unscaled gradient is finite (on every device, and over
    ``axis_name`` when given);
 3. runs ``inner`` on a finite step; on a non-finite step it returns zero
-   updates and passes ``inner``'s state through unchanged, bit for bit;
+   updates (``-0.0``, the exact identity of addition, so that
+   ``optax.apply_updates`` leaves every parameter as it was, bit for bit) and
+   passes ``inner``'s state through unchanged;
 4. adjusts the loss scale.
 
 The skip is a ``lax.cond`` whose skip branch passes the state through, so a
@@ -28,6 +30,7 @@ Array([0.8, 0.8, 0.8], dtype=float32)
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import jax
@@ -67,8 +70,9 @@ class LossScalingState(NamedTuple):
     skipped_steps: jax.Array
 
 
-class _LossScaling(optax.GradientTransformationExtraArgs):
-    """The type `loss_scaling` returns, so that nesting it can be refused."""
+# The update functions `loss_scaling` made, so that nesting it can be refused
+# (``_replace``, ``chain`` and friends keep the function, not a subclass).
+_UPDATES: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 
 
 def loss_scaling(
@@ -100,15 +104,15 @@ def loss_scaling(
     >>> tx = jmp_policy.loss_scaling(optax.adam(1e-3), 2.0**10)
     >>> state = tx.init({"w": jnp.zeros(2)})
     >>> updates, state = tx.update({"w": jnp.array([1.0, jnp.nan])}, state)
-    >>> bool(state.grads_finite), int(state.skipped_steps), updates["w"]
-    (False, 1, Array([0., 0.], dtype=float32))
+    >>> bool(state.grads_finite), int(state.skipped_steps), bool((updates["w"] == 0).all())
+    (False, 1, True)
     """
     initial_scale = as_loss_scale(loss_scale)
     if isinstance(initial_scale, StaticLossScale) and _is_zero(initial_scale.loss_scale):
         raise ValueError(
             "loss_scaling: a static loss scale of 0 zeroes every gradient, so every step would "
             "be skipped; use a positive scale, 'dynamic', or None for no scaling.")
-    if isinstance(inner, _LossScaling):
+    if getattr(inner, "update", None) in _UPDATES:
         raise ValueError(_NESTED)
     axes = _axis_names(axis_name)
     inner = optax.with_extra_args_support(inner)
@@ -139,7 +143,8 @@ def loss_scaling(
         inverse = 1 / jnp.asarray(scale.loss_scale, jnp.float32)
         finite = unscaled_all_finite(grads, inverse if _unscaling_can_overflow(scale) else None)
         if axes:
-            finite = jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32), axes) == 0
+            skipping = jnp.logical_not(finite).astype(jnp.int32)
+            finite = jax.lax.psum(skipping, axes) == 0  # type: ignore[no-untyped-call]
 
         def apply(grads: optax.Updates, inner_state: optax.OptState,
                   params: Optional[optax.Params]) -> Tuple[optax.Updates, optax.OptState]:
@@ -147,7 +152,9 @@ def loss_scaling(
             # the optimizer's first elementwise kernel instead of writing it out.
             unscaled = scale_leaves(grads, inverse)
             try:
-                return inner.update(unscaled, inner_state, params, **extra_args)
+                out: Tuple[optax.Updates, optax.OptState] = inner.update(
+                    unscaled, inner_state, params, **extra_args)
+                return out
             except (AttributeError, KeyError, TypeError, ValueError) as e:
                 _raise_if_foreign(inner, grads, inner_state, e)
                 raise
@@ -161,7 +168,8 @@ def loss_scaling(
                                     optax.safe_increment(state.skipped_steps)),
         )
 
-    return _LossScaling(init_fn, update_fn)
+    _UPDATES.add(update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _is_zero(value: Any) -> bool:
@@ -176,7 +184,7 @@ _NESTED = (
 def _run_if(
     pred: jax.Array,
     apply: Callable[..., Any],
-    skip: Callable[[Any, Any], Any],
+    skip: Callable[..., Any],
     *operands: Any,
 ) -> Any:
     """``lax.cond(pred, apply, skip, *operands)``, tracing ``apply`` only once.
@@ -244,7 +252,7 @@ def _vary(tree: Any, axes: Any) -> Any:
 def _unscaling_can_overflow(scale: LossScale) -> bool:
     """Whether ``scale`` can be below 1, so that unscaling can overflow a finite gradient."""
     if isinstance(scale, DynamicLossScale):
-        return scale.min_loss_scale < 1
+        return bool(scale.min_loss_scale < 1)
     if isinstance(scale, StaticLossScale):
         return isinstance(scale.loss_scale, jax.core.Tracer) or bool(scale.loss_scale < 1)
     return False
@@ -278,8 +286,8 @@ def _check_update_args(grads: Any, state: Any) -> None:
 def _raise_if_foreign(inner: optax.GradientTransformation, grads: Any, inner_state: Any,
                       error: Exception) -> None:
     """Raises a clear error if ``inner_state`` is not a state of ``inner``."""
-    expected = jax.tree_util.tree_structure(jax.eval_shape(inner.init, grads))
-    got = jax.tree_util.tree_structure(inner_state)
+    expected: Any = jax.tree_util.tree_structure(jax.eval_shape(inner.init, grads))
+    got: Any = jax.tree_util.tree_structure(inner_state)
     if expected != got:
         raise ValueError(
             "loss_scaling.update: the optimizer state does not belong to this optimizer (was it "
@@ -289,10 +297,12 @@ def _raise_if_foreign(inner: optax.GradientTransformation, grads: Any, inner_sta
 
 def _loss_scaling_states(tree: Any) -> list[LossScalingState]:
     """Every `LossScalingState` inside ``tree``, nested ones included."""
-    is_state = lambda x: isinstance(x, LossScalingState)  # noqa: E731
-    found = []
+    def is_state(x: Any) -> bool:
+        return isinstance(x, LossScalingState)
+
+    found: list[LossScalingState] = []
     for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_state):
-        if is_state(leaf):
+        if isinstance(leaf, LossScalingState):
             found += [leaf, *_loss_scaling_states(leaf.inner_state)]
     return found
 

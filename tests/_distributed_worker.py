@@ -44,7 +44,9 @@ import jmp_policy  # noqa: E402
 
 INITIAL_SCALE = 2.0**10
 # Shapes of a tiny transformer block; every dimension divisible by 8.
-SHAPES = {"attn/qkv": (32, 96), "attn/out": (32, 32), "mlp/up": (32, 128),
+# "attn/q" and "attn/out" share a shape but not a sharding: a finiteness check
+# that added them up would make XLA move one of them across devices.
+SHAPES = {"attn/qkv": (32, 96), "attn/q": (32, 32), "attn/out": (32, 32), "mlp/up": (32, 128),
           "mlp/down": (128, 32), "mlp/bias": (128,)}
 
 
@@ -96,22 +98,34 @@ def hlo_collectives(hlo_text):
     return found
 
 
+_SPECS = {"attn/qkv": P(None, "model"), "attn/q": P(None, "model"), "attn/out": P("model", None),
+          "mlp/up": P("data", "model"), "mlp/down": P("model", "data"), "mlp/bias": P("model")}
+
+
 def scenario_mesh():
     """jit on an 8-device mesh, params/grads/optimizer state sharded (FSDP-like)."""
     mesh = jax.make_mesh((2, 4), ("data", "model"))
-    specs = {"attn/qkv": P(None, "model"), "attn/out": P("model", None),
-             "mlp/up": P("data", "model"), "mlp/down": P("model", "data"),
-             "mlp/bias": P("model")}
-    shardings = {k: NamedSharding(mesh, s) for k, s in specs.items()}
+    shardings = {k: NamedSharding(mesh, s) for k, s in _SPECS.items()}
     # jax.make_mesh gives explicit-sharding axes, used as jax recommends: inside set_mesh.
     with jax.set_mesh(mesh):
         return _mesh_steps(mesh, shardings)
 
 
+def scenario_mesh_auto():
+    """The same with automatic axes and no mesh context: XLA picks the shardings."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    return _mesh_steps(mesh, {k: NamedSharding(mesh, s) for k, s in _SPECS.items()})
+
+
 def _mesh_steps(mesh, shardings):
     params = jax.device_put(host_params(), shardings)
     tx = make_tx()
-    opt_state = jax.jit(tx.init)(params)
+    # Eager: zeros_like keeps each parameter's sharding (jit would let XLA choose).
+    opt_state = tx.init(params)
+    # Scalars (step counts, the loss scale) replicated on the mesh, not left on one device.
+    opt_state = jax.tree.map(
+        lambda x: x if len(x.sharding.device_set) > 1 else jax.device_put(x, NamedSharding(mesh, P())),
+        opt_state)
     # Flat, so that no pytree node is rebuilt around sharding objects.
     state_shardings = [x.sharding for x in jax.tree.leaves(opt_state)]
 
@@ -123,6 +137,8 @@ def _mesh_steps(mesh, shardings):
         train_step,
         # The optimizer state keeps the shardings `init` gave it (committed arrays).
         in_shardings=(shardings, None, shardings),
+        # With automatic axes XLA would pick the outputs' layout: keep the inputs'.
+        out_shardings=(shardings, jax.tree.map(lambda x: x.sharding, opt_state)),
         donate_argnums=(0, 1),
     )
     compiled = step.lower(params, opt_state, params).compile()
@@ -277,7 +293,7 @@ def _multiprocess_steps(specs, shardings):
 
 
 if __name__ == "__main__":
-    result = {"mesh": scenario_mesh, "shard_map": scenario_shard_map,
+    result = {"mesh": scenario_mesh, "mesh_auto": scenario_mesh_auto, "shard_map": scenario_shard_map,
               "multiprocess": scenario_multiprocess}[SCENARIO]()
     with open(OUT, "w") as f:
         json.dump(result, f)
