@@ -426,3 +426,25 @@ def test_set_nnx_policy_warns_for_a_rule_that_matched_no_submodule():
     with pytest.warns(jmp_policy.UnmatchedRuleWarning, match=r"rule #0 \(Conv\)"):
         jf.set_nnx_policy(model, "float32", rules={nnx.Conv: "float16"})
     assert model.norm.dtype == F32 and model.hidden.dtype == F32
+
+
+def test_nnx_scaled_value_and_grad_takes_what_scaled_value_and_grad_takes():
+    # One implementation: a plain number as the scale, the same checks.
+    model = MLP("float32", nnx.Rngs(0))
+    x, y = _data()
+    loss, grads = jf.nnx_scaled_value_and_grad(_loss)(8.0, model, x, y)
+    _, ref = jf.nnx_scaled_value_and_grad(_loss)(jmp_policy.StaticLossScale(8.0), model, x, y)
+    jax.tree.map(np.testing.assert_array_equal, grads, ref)
+    with pytest.raises(TypeError, match="floating scalar loss"):
+        jf.nnx_scaled_value_and_grad(lambda m: m(x))(2.0, model)
+    with pytest.raises(ValueError, match="Unknown loss_scale"):
+        jf.nnx_scaled_value_and_grad(_loss)("big", model, x, y)
+
+
+def test_optimizer_skipped_steps_refuses_an_ambiguous_state_like_get_loss_scale():
+    model = MLP("float32", nnx.Rngs(0))
+    tx = optax.chain(jmp_policy.loss_scaling(optax.sgd(0.1)), jmp_policy.loss_scaling(optax.sgd(0.1)))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    for read in (jf.optimizer_skipped_steps, jf.optimizer_loss_scale):
+        with pytest.raises(ValueError, match="ambiguous"):
+            read(optimizer)
