@@ -40,12 +40,14 @@ from jmp_policy.transform import (
     scaled_value_and_grad,
 )
 from jmp_policy.autocast import AutocastWarning, autocast
+from jmp_policy.autocast import Float8Recipe
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AutocastWarning",
     "DynamicLossScale",
+    "Float8Recipe",
     "LossScale",
     "LossScalingState",
     "NoOpLossScale",

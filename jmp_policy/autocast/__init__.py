@@ -49,6 +49,7 @@ higher-order primitive), ``_api`` (`autocast` itself).
 
 from jmp_policy.autocast import _higher_order  # noqa: F401  (registers the handlers)
 from jmp_policy.autocast._api import autocast
+from jmp_policy.autocast._fp8 import Float8Recipe
 from jmp_policy.autocast._rules import (
     FLOAT32_PRIMITIVES,
     FOLLOW_PRIMITIVES,
@@ -60,6 +61,7 @@ __all__ = [
     "AutocastWarning",
     "FLOAT32_PRIMITIVES",
     "FOLLOW_PRIMITIVES",
+    "Float8Recipe",
     "MATMUL_PRIMITIVES",
     "autocast",
 ]

@@ -1,0 +1,361 @@
+"""Float8 quantization of matrix products: the recipe, which products qualify, the scaling.
+
+Everything that decides how a product runs in float8 lives here, so that
+autocast's float8 rule (``_fp8_matmul``) and tools that report on it (the
+numerics inspector) agree:
+
+* `Float8Recipe` holds the settings and `as_recipe` reads autocast's ``fp8=``
+  argument into one;
+* `eligible` says whether a ``dot_general`` equation runs in float8, and
+  `operand_dtypes` which float8 format each of its operands takes;
+* `quantize` converts an operand to float8 with current scaling (one scale
+  per tensor or per row, from its absolute maximum, no state), and
+  `quantization_counts` says how many of its values the conversion loses.
+
+A product ``dot_general(lhs, rhs)`` is computed as
+``dot_general(q_lhs, q_rhs, preferred_element_type=float32) * s_lhs * s_rhs``
+where ``(q, s) = quantize(operand, ...)`` and ``q * s`` approximates the
+operand:
+
+>>> import jax.numpy as jnp
+>>> x = jnp.array([[1e-4, -3e-4], [2e4, 5e3]])
+>>> q, scale = quantize(x, jnp.float8_e4m3fn, "rowwise", contracting_axes=(1,))
+>>> q.dtype, scale.shape        # one scale per row: the contracting axis is reduced
+(dtype(float8_e4m3fn), (2, 1))
+>>> bool(jnp.allclose(q.astype(jnp.float32) * scale, x, rtol=0.07))
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, ClassVar, Literal, NamedTuple, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import JaxprEqn
+
+from jmp_policy._dtypes import is_floating_dtype
+from jmp_policy.autocast._rules import scope_names
+
+Scaling = Literal["tensorwise", "rowwise"]
+SCALINGS: tuple[Scaling, ...] = ("tensorwise", "rowwise")
+
+_F32 = np.dtype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Recipe:
+    """How autocast runs matrix products in float8 (immutable and hashable).
+
+    Attributes:
+      scaling: ``"tensorwise"`` (one scale per operand) or ``"rowwise"`` (one
+        scale per row along each operand's non-contracting dimensions, so an
+        outlier row does not crush the precision of the others). Scales come
+        from each operand's current absolute maximum: no state to carry.
+      fwd_dtype: float8 format of the forward operands (activations, weights).
+      bwd_dtype: float8 format of the incoming gradients (cotangents) in the
+        backward products, which need range more than precision.
+      min_size: a product whose contracting size or either non-contracting
+        size (each the product of those dimensions' sizes, batch dimensions
+        aside) is below this stays in the policy's compute dtype: small
+        matrices gain nothing from float8 and lose accuracy.
+      exclude: regular expressions searched (``re.search``) in the
+        ``jax.named_scope`` path of each product, ``/``-joined and without
+        JAX's transformation names (``"TransformerLM/logits"``, also in the
+        backward pass); a product that matches stays in the compute dtype.
+        The default, `DEFAULT_EXCLUDE`, keeps the output layer of a language
+        model: a scope named ``logits...``, ``lm_head``, ``head`` or
+        ``...embed...`` (a head tied to its embedding, ``nn.Embed.attend``).
+      power_of_two_scales: round every scale down to a power of two, so that
+        scaling and rescaling are exact and only the float8 rounding is
+        lost.
+      float8_weight_gradient: whether the backward product giving the
+        gradient of a product's right operand (the weight in ``x @ w`` and in
+        Flax's ``Dense``), a sum over all tokens, runs in float8 too; if not,
+        it runs in the compute dtype. Applies to products that autocast
+        differentiates (``jax.grad`` of an autocast function).
+
+    >>> import jmp_policy
+    >>> recipe = jmp_policy.Float8Recipe("rowwise", min_size=64)
+    >>> recipe.fwd_dtype, recipe.bwd_dtype
+    (dtype(float8_e4m3fn), dtype(float8_e5m2))
+    >>> recipe.excludes("transpose(jvp(TransformerLM))/logits")
+    True
+    >>> Float8Recipe("rowwise", exclude=(*recipe.exclude, "router")).excludes("moe/router")
+    True
+    """
+
+    # Anchored on whole scope names: an ``attention_head`` or ``heads`` scope is not matched.
+    DEFAULT_EXCLUDE: ClassVar[tuple[str, ...]] = (
+        r"(?i)(^|/)(logits?\w*|lm_head\w*|head|\w*embed\w*)(/|$)",)
+
+    scaling: Scaling = "tensorwise"
+    fwd_dtype: Any = np.dtype(jnp.float8_e4m3fn)
+    bwd_dtype: Any = np.dtype(jnp.float8_e5m2)
+    # Provisional: the smallest size float8 tensor-core GEMMs take (multiples of 16);
+    # benchmarks/gpu_fp8.py measures where float8 stops paying off on a GPU.
+    min_size: int = 16
+    exclude: Union[str, Sequence[str]] = DEFAULT_EXCLUDE
+    # Both defaults are chosen by measurement; docs/fp8.md has the figures.
+    power_of_two_scales: bool = True
+    float8_weight_gradient: bool = True
+
+    def __post_init__(self) -> None:
+        if self.scaling not in SCALINGS:
+            raise ValueError(
+                f"Float8Recipe scaling must be one of {', '.join(map(repr, SCALINGS))}, "
+                f"got {self.scaling!r}.")
+        for field in ("fwd_dtype", "bwd_dtype"):
+            object.__setattr__(self, field, _float8_dtype(getattr(self, field), field))
+        if isinstance(self.min_size, bool) or not isinstance(self.min_size, int):
+            raise TypeError(f"Float8Recipe min_size must be an int, got {self.min_size!r}.")
+        if self.min_size < 0:
+            raise ValueError(
+                f"Float8Recipe min_size must be a non-negative int (products with a "
+                f"dimension below it stay in the compute dtype), got {self.min_size!r}.")
+        object.__setattr__(self, "exclude", _patterns(self.exclude))
+        for field in ("power_of_two_scales", "float8_weight_gradient"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(
+                    f"Float8Recipe {field} must be True or False, got {getattr(self, field)!r}.")
+
+    def excludes(self, scope: str) -> bool:
+        """True when an `exclude` pattern is found in the name-scope path ``scope``."""
+        path = "/".join(scope_names(scope))
+        return any(_compiled(p).search(path) for p in self.exclude)
+
+
+def _float8_dtype(value: Any, field: str) -> np.dtype[Any]:
+    dtype: Optional[np.dtype[Any]]
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not dtype.name.startswith("float8_") or not is_floating_dtype(dtype) \
+            or jnp.finfo(dtype).nmant == 0:  # type: ignore[no-untyped-call]
+        raise ValueError(
+            f"Float8Recipe {field} must be a float8 dtype with a mantissa, such as "
+            f"jnp.float8_e4m3fn or jnp.float8_e5m2; got {value if dtype is None else dtype}.")
+    return dtype
+
+
+def _patterns(exclude: Any) -> tuple[str, ...]:
+    patterns = (exclude,) if isinstance(exclude, str) else exclude
+    try:
+        patterns = tuple(patterns)
+    except TypeError:
+        raise TypeError(
+            "Float8Recipe exclude must be a regular expression or a sequence of them, "
+            f"got {exclude!r}.") from None
+    for p in patterns:
+        if not isinstance(p, str):
+            raise TypeError(f"Float8Recipe exclude entries must be strings, got {p!r}.")
+        try:
+            _compiled(p)
+        except re.error as e:
+            raise ValueError(
+                f"Float8Recipe exclude entry {p!r} is not a valid regular expression: {e}.") \
+                from None
+    return patterns
+
+
+def _compiled(pattern: str) -> re.Pattern[str]:
+    return re.compile(pattern)  # re caches compiled patterns
+
+
+Float8Like = Union[None, str, Float8Recipe]
+
+
+def as_recipe(fp8: Float8Like) -> Optional[Float8Recipe]:
+    """Reads autocast's ``fp8=`` argument: ``None``, a scaling name or a `Float8Recipe`.
+
+    >>> as_recipe("rowwise").scaling
+    'rowwise'
+    >>> as_recipe(None) is None
+    True
+    """
+    if fp8 is None or isinstance(fp8, Float8Recipe):
+        return fp8
+    if isinstance(fp8, str):
+        if fp8 not in SCALINGS:
+            raise ValueError(
+                f"autocast fp8 must be None, {' or '.join(map(repr, SCALINGS))}, or a "
+                f"jmp_policy.Float8Recipe; got {fp8!r}.")
+        return Float8Recipe(fp8)
+    raise TypeError(
+        "autocast fp8 must be None, 'tensorwise', 'rowwise' or a jmp_policy.Float8Recipe; "
+        f"got {type(fp8).__name__} {fp8!r}.")
+
+
+# --- Which products, in which formats ----------------------------------------------------
+
+def contracting_axes(eqn: JaxprEqn) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The contracting axes of a ``dot_general`` equation's (lhs, rhs)."""
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    return tuple(lc), tuple(rc)
+
+
+def product_sizes(eqn: JaxprEqn) -> tuple[int, int, int]:
+    """``(m, k, n)`` of a ``dot_general``: non-contracting, contracting, non-contracting sizes.
+
+    Each is the product of those dimensions' sizes, batch dimensions aside.
+    """
+    lhs, rhs = (_aval(v).shape for v in eqn.invars)
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    m = math.prod(d for i, d in enumerate(lhs) if i not in lc and i not in lb)
+    n = math.prod(d for i, d in enumerate(rhs) if i not in rc and i not in rb)
+    return m, math.prod(lhs[i] for i in lc), n
+
+
+def _aval(var: Any) -> Any:
+    return var.aval
+
+
+def eligible(recipe: Float8Recipe, eqn: JaxprEqn, scope: str) -> bool:
+    """True when ``recipe`` runs ``eqn``, found under the name-scope path ``scope``, in float8.
+
+    That is a ``dot_general`` with floating operands, no size below
+    ``recipe.min_size`` (empty products never qualify) and a scope that no
+    ``recipe.exclude`` pattern matches. (A product in an autocast float32 scope
+    runs in float32 before this is asked.)
+    """
+    if eqn.primitive.name != "dot_general" or len(eqn.invars) != 2:
+        return False
+    if not all(is_floating_dtype(_aval(v).dtype) for v in eqn.invars):
+        return False
+    if min(product_sizes(eqn)) < max(recipe.min_size, 1):
+        return False
+    return not recipe.excludes(scope)
+
+
+def is_backward(scope: str) -> bool:
+    """True for a path that JAX's transposition wrote (``transpose(jvp(block))/mlp``)."""
+    return "transpose(" in scope
+
+
+def operand_dtypes(recipe: Float8Recipe, scope: str) -> tuple[np.dtype[Any], np.dtype[Any]]:
+    """The float8 formats of a product's (lhs, rhs) found under ``scope``.
+
+    Forward products take ``fwd_dtype`` on both sides. A backward product that
+    JAX wrote by transposing a forward one (when the function autocast
+    evaluates computes its own gradients) has the incoming gradient as its
+    left operand, so that side takes ``bwd_dtype``. (The backward products
+    that autocast itself differentiates are formatted by its float8 rule.)
+    """
+    if is_backward(scope):
+        return recipe.bwd_dtype, recipe.fwd_dtype
+    return recipe.fwd_dtype, recipe.fwd_dtype
+
+
+# --- Quantization --------------------------------------------------------------------------
+
+def _reduced_axes(ndim: int, scaling: str, contracting_axes: Sequence[int]) -> tuple[int, ...]:
+    if scaling == "tensorwise":
+        return tuple(range(ndim))
+    if scaling == "rowwise":
+        return tuple(sorted(a % ndim for a in contracting_axes)) if ndim else ()
+    raise ValueError(f"scaling must be one of {', '.join(map(repr, SCALINGS))}, got {scaling!r}.")
+
+
+def inverse_scale(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int],
+                  power_of_two: bool = True) -> jax.Array:
+    """The float32 factor that maps ``x``'s absolute maximum onto ``dtype``'s largest value.
+
+    Its shape is ``x``'s with the reduced axes (all of them for
+    ``"tensorwise"``, the contracting ones for ``"rowwise"``) kept as size 1.
+    An all-zero row gets a large finite factor (its values stay zero); a row
+    holding inf gets 0 and one holding NaN gets NaN, so that its quantized
+    values, and every product they enter, are NaN rather than finite.
+    """
+    axes = _reduced_axes(jnp.ndim(x), scaling, contracting_axes)
+    amax = lax.convert_element_type(lax.reduce_max(lax.abs(x), axes), _F32) if axes \
+        else lax.abs(lax.convert_element_type(x, _F32))
+    top = np.float32(jnp.finfo(dtype).max)  # type: ignore[no-untyped-call]
+    # max/0 is inf and max/tiny can overflow: cap at the largest float32 (NaN stays NaN).
+    factor = lax.min(lax.div(top, amax), np.float32(np.finfo(np.float32).max))
+    if power_of_two:
+        factor = _floor_power_of_two(factor)
+    return lax.expand_dims(factor, axes)
+
+
+def _floor_power_of_two(x: jax.Array) -> jax.Array:
+    """The largest power of two not above each non-negative ``x`` (0 stays 0, NaN NaN).
+
+    Clearing the mantissa bits is exact, where ``exp2(floor(log2(x)))`` may
+    round on some backends.
+    """
+    bits = lax.bitcast_convert_type(x, np.uint32)
+    power = lax.bitcast_convert_type(lax.bitwise_and(bits, np.uint32(0x7F800000)), _F32)
+    return lax.select(lax.ne(x, x), x, power)
+
+
+def quantize(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int], *,
+             power_of_two: bool = True) -> tuple[jax.Array, jax.Array]:
+    """``x`` in the float8 ``dtype`` with current scaling: returns ``(q, scale)``.
+
+    ``q * scale`` approximates ``x``. ``scale`` is float32, of ``x``'s shape
+    with the reduced axes kept as size 1: every axis for ``"tensorwise"``
+    (one scale), the ``contracting_axes`` for ``"rowwise"`` (one scale per row
+    along the other axes). Each scale maps the absolute maximum of its
+    values onto ``dtype``'s largest finite value (with ``power_of_two``, the
+    power of two at or below that), so nothing saturates and small values
+    flush to zero only when they are that far below the maximum. Values that
+    are not finite make their whole row (tensor) NaN, never finite.
+
+    >>> import jax.numpy as jnp
+    >>> q, scale = quantize(jnp.array([3e-5, 1e-4]), jnp.float8_e4m3fn, "tensorwise", (0,))
+    >>> scale.shape, (q.astype(jnp.float32) * scale).tolist()
+    ((1,), [3.0517578125e-05, 9.918212890625e-05])
+    """
+    inv = inverse_scale(x, dtype, scaling, contracting_axes, power_of_two)
+    top = np.float32(jnp.finfo(dtype).max)  # type: ignore[no-untyped-call]
+    scaled = lax.mul(lax.convert_element_type(x, _F32), inv)
+    # A guard: the factor keeps finite values within range, clamping (NaN stays NaN) keeps
+    # a rounding of the factor from overflowing the format.
+    q = lax.convert_element_type(lax.clamp(-top, scaled, top), np.dtype(dtype))
+    return q, lax.div(np.float32(1), inv)
+
+
+class QuantizationCounts(NamedTuple):
+    """What a quantization loses, as int32 counts (see `quantization_counts`)."""
+
+    saturated: jax.Array
+    flushed_to_zero: jax.Array
+
+
+def quantization_counts(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int], *,
+                        power_of_two: bool = True) -> QuantizationCounts:
+    """How many values of ``x`` `quantize` would lose, as ``(saturated, flushed_to_zero)``.
+
+    ``saturated``: values whose scaled magnitude would round beyond ``dtype``'s
+    largest finite value, inf and NaN included (with current scaling, finite
+    values never do). ``flushed_to_zero``: nonzero values that become zero
+    (outside rows holding inf, whose products are NaN anyway).
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.array([[1e4, 1e-3, 0.0], [1.0, 1e-3, jnp.inf]])
+    >>> [int(c) for c in quantization_counts(x, jnp.float8_e4m3fn, "rowwise", (1,))]
+    [1, 1]
+    """
+    inv = inverse_scale(x, dtype, scaling, contracting_axes, power_of_two)
+    scaled = lax.mul(lax.convert_element_type(x, _F32), inv)
+    saturated = jnp.logical_not(lax.abs(scaled) < np.float32(_overflow_threshold(dtype)))
+    q, _ = quantize(x, dtype, scaling, contracting_axes, power_of_two=power_of_two)
+    # In a row holding inf (factor 0) every product is NaN anyway: nothing there is flushed.
+    flushed = jnp.logical_and(jnp.logical_and(lax.ne(x, jnp.zeros_like(x)), inv > 0),
+                              lax.eq(lax.convert_element_type(q, _F32), np.float32(0)))
+    return QuantizationCounts(jnp.sum(saturated, dtype=np.int32),
+                              jnp.sum(flushed, dtype=np.int32))
+
+
+def _overflow_threshold(dtype: Any) -> float:
+    """The smallest magnitude that does not round to a finite value of ``dtype``."""
+    info = jnp.finfo(dtype)  # type: ignore[no-untyped-call]
+    top = float(info.max)
+    spacing = 2.0 ** (math.floor(math.log2(top)) - int(info.nmant))  # between the two largest
+    return top + spacing / 2
