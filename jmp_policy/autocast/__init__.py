@@ -30,6 +30,10 @@ semantics: a nested ``jit`` keeps its shardings and name, ``custom_jvp`` /
 dtypes, ``checkpoint`` keeps its policy, ``shard_map`` bodies are autocast
 with their collectives.
 
+With ``fp8=`` (a scaling name or a `Float8Recipe`), the eligible
+``dot_general`` products, forward and backward, run on float8 operands with
+current scaling instead (see ``_fp8``).
+
 A primitive that autocast does not know, and that has floating inputs, is
 evaluated at the dtypes it was traced with, with one `AutocastWarning` per
 trace naming it.
@@ -43,7 +47,8 @@ dtype('float16')
 
 Layout: ``_rules`` (classes and the ``rules=`` argument), ``_lattice`` (how
 dtypes order), ``_interpreter`` (evaluation and the handler registry),
-``_matmul`` (the matmul class), ``_higher_order`` (one handler per
+``_matmul`` (the matmul class), ``_fp8`` (float8 recipes and quantization),
+``_fp8_matmul`` (the float8 matmul rule), ``_higher_order`` (one handler per
 higher-order primitive), ``_api`` (`autocast` itself).
 """
 

@@ -13,6 +13,8 @@ from jax.extend.core import ClosedJaxpr
 
 from jmp_policy.autocast._interpreter import Context, eval_jaxpr, higher_order_names
 from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, is_floating
+from jmp_policy.autocast._fp8 import Float8Like, Float8Recipe, as_recipe
+from jmp_policy.autocast._fp8_matmul import float8_matmul
 from jmp_policy.autocast._matmul import matmul
 from jmp_policy._rules import UnmatchedRuleWarning
 from jmp_policy.autocast._rules import Rules, parse_rules
@@ -24,6 +26,7 @@ def autocast(
     policy: PolicyLike = None,
     *,
     rules: Optional[Mapping[str, Any]] = None,
+    fp8: Float8Like = None,
 ) -> Callable[..., Any]:
     """Returns ``fn`` evaluated with per-operation mixed precision.
 
@@ -47,6 +50,14 @@ def autocast(
         scope names, at any depth) in float32, matrix work included. A scope
         that no operation of ``fn`` is in is reported with an
         ``UnmatchedRuleWarning``, once per trace.
+      fp8: ``None`` (no float8), ``"tensorwise"``, ``"rowwise"`` or a
+        `jmp_policy.Float8Recipe`: every eligible ``dot_general`` of ``fn``,
+        forward and backward, runs on float8 operands with current scaling
+        (one scale per tensor, or per row) and float32 accumulation, and
+        returns float32 like the matmul class. Products in a float32 scope,
+        in a scope the recipe excludes (by default an LM head: ``logits``,
+        ``lm_head``...) or smaller than its ``min_size`` stay in the compute
+        dtype. Inputs that are not finite give non-finite products.
 
     >>> import jax, jax.numpy as jnp, jmp_policy
     >>> def layer(w, x):
@@ -54,11 +65,15 @@ def autocast(
     >>> f = jmp_policy.autocast(layer, "mixed_float16")
     >>> f(jnp.ones((4, 4)), jnp.ones((2, 4))).dtype   # outputs in the policy's output dtype
     dtype('float16')
+    >>> f8 = jmp_policy.autocast(layer, "mixed_bfloat16", fp8="rowwise")
+    >>> f8(jnp.ones((32, 32)), jnp.ones((16, 32))).dtype   # a float8 product inside
+    dtype(bfloat16)
     """
     if not callable(fn):
         raise TypeError(f"autocast expects a callable, got {fn!r}.")
     policy = as_policy(policy)
     parsed = parse_rules(rules, higher_order_names())
+    recipe = as_recipe(fp8)
     cache: dict[Any, tuple[Any, Callable[..., list[Any]], Callable[..., list[Any]]]] = {}
 
     @functools.wraps(fn)
@@ -71,7 +86,7 @@ def autocast(
         if entry is None:
             closed, out_tree = _trace(fn, leaves, treedef, dynamic, values)
             run: Callable[..., list[Any]] = functools.partial(
-                _run, closed, policy, parsed, _name(fn))
+                _run, closed, policy, parsed, recipe, _name(fn))
             if key is not None and not any(_is_tracer(c) for c in closed.consts):
                 entry = cache[key] = (out_tree, run, jax.jit(run))
             else:
@@ -122,9 +137,10 @@ def _trace(fn: Callable[..., Any], leaves: list[Any], treedef: Any, dynamic: lis
     return closed, out_tree[0]
 
 
-def _run(closed: ClosedJaxpr, policy: Policy, rules: Rules, name: str, *values: Any) -> list[Any]:
+def _run(closed: ClosedJaxpr, policy: Policy, rules: Rules, recipe: Optional[Float8Recipe],
+         name: str, *values: Any) -> list[Any]:
     compute, output = _call_dtypes(policy, values)
-    ctx = Context(compute, rules, matmul)
+    ctx = Context(compute, rules, matmul if recipe is None else float8_matmul(recipe))
     outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, values)
     for scope, near in ctx.unmatched_scopes():
         hint = f" Did you mean {' or '.join(map(repr, near))}?" if near else ""

@@ -1,0 +1,219 @@
+"""Autocast's float8 rule: eligible products run on float8 operands, forward and backward.
+
+`float8_matmul` makes a ``Context.matmul`` rule from a `Float8Recipe`. A
+product that the recipe leaves alone (see ``_fp8.eligible``) goes to the
+default `matmul` rule. An eligible ``dot_general`` becomes `float8_product`:
+its operands are quantized with current scaling (``_fp8.quantize``) and go
+straight into a ``dot_general`` of float8 operands that accumulates in
+float32; the result is rescaled and returned in float32, as the matmul class
+returns it. Its derivative is a ``custom_vjp`` whose two backward products
+also take float8 operands: the incoming gradient in ``recipe.bwd_dtype``, the
+saved forward operand in its forward format.
+
+>>> import jax, jax.numpy as jnp, jmp_policy
+>>> f = jmp_policy.autocast(lambda x, w: x @ w, "mixed_bfloat16", fp8="tensorwise")
+>>> jaxpr = jax.make_jaxpr(f)(jnp.ones((32, 64)), jnp.ones((64, 16)))
+>>> [(e.invars[0].aval.dtype, e.invars[1].aval.dtype, e.params["preferred_element_type"])
+...  for e in jaxpr.eqns[0].params["call_jaxpr"].eqns if e.primitive.name == "dot_general"]
+[(dtype(float8_e4m3fn), dtype(float8_e4m3fn), dtype('float32'))]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import JaxprEqn
+
+from jmp_policy.autocast._fp8 import Float8Recipe, eligible, operand_dtypes, quantize
+from jmp_policy.autocast._interpreter import Context, MatmulRule, bind
+from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, join
+from jmp_policy.autocast._matmul import matmul
+
+Quantized = tuple[jax.Array, jax.Array]
+"""A float8 operand and its float32 scale, as `quantize` returns them."""
+
+
+def float8_matmul(recipe: Float8Recipe) -> MatmulRule:
+    """The ``Context.matmul`` rule running the products ``recipe`` selects in float8.
+
+    Other matrix work (excluded scopes, small or integer products,
+    convolutions) goes to the default `matmul` rule.
+    """
+    def rule(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+        if not eligible(recipe, eqn, ctx.scope):
+            return matmul(ctx, eqn, invals)
+        formats = operand_dtypes(recipe, ctx.scope)
+        return float8_product(eqn, recipe, formats, ctx.compute, *invals)
+
+    return rule
+
+
+# --- Where each operand axis goes ------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """The axes of ``dot_general(lhs, rhs)``; its output is (batch, lhs free, rhs free)."""
+
+    lhs_contract: tuple[int, ...]
+    rhs_contract: tuple[int, ...]
+    lhs_batch: tuple[int, ...]
+    rhs_batch: tuple[int, ...]
+    lhs_free: tuple[int, ...]
+    rhs_free: tuple[int, ...]
+
+    @classmethod
+    def of(cls, dims: Any, lhs_ndim: int, rhs_ndim: int) -> _Layout:
+        (lc, rc), (lb, rb) = dims
+        return cls(tuple(lc), tuple(rc), tuple(lb), tuple(rb),
+                   _free(lhs_ndim, lc, lb), _free(rhs_ndim, rc, rb))
+
+    @property
+    def out_batch(self) -> tuple[int, ...]:
+        return tuple(range(len(self.lhs_batch)))
+
+    @property
+    def out_lhs_free(self) -> tuple[int, ...]:
+        start = len(self.lhs_batch)
+        return tuple(range(start, start + len(self.lhs_free)))
+
+    @property
+    def out_rhs_free(self) -> tuple[int, ...]:
+        start = len(self.lhs_batch) + len(self.lhs_free)
+        return tuple(range(start, start + len(self.rhs_free)))
+
+    def lhs_gradient(self) -> tuple[Any, tuple[int, ...]]:
+        """``dot_general(g, rhs)`` dimension numbers giving lhs's gradient, and its transpose.
+
+        The product's axes are (batch, lhs free, rhs's contracting axes in
+        increasing order); the permutation puts them in lhs's order.
+        """
+        dims = ((self.out_rhs_free, self.rhs_free), (self.out_batch, self.rhs_batch))
+        return dims, _gradient_axes(self.lhs_batch, self.lhs_free, self.lhs_contract,
+                                    self.rhs_contract)
+
+    def rhs_gradient(self) -> tuple[Any, tuple[int, ...]]:
+        """``dot_general(g, lhs)`` dimension numbers giving rhs's gradient, and its transpose."""
+        dims = ((self.out_lhs_free, self.lhs_free), (self.out_batch, self.lhs_batch))
+        return dims, _gradient_axes(self.rhs_batch, self.rhs_free, self.rhs_contract,
+                                    self.lhs_contract)
+
+
+def _free(ndim: int, contract: Sequence[int], batch: Sequence[int]) -> tuple[int, ...]:
+    return tuple(i for i in range(ndim) if i not in contract and i not in batch)
+
+
+def _gradient_axes(batch: Sequence[int], free: Sequence[int], contract: Sequence[int],
+                   other_contract: Sequence[int]) -> tuple[int, ...]:
+    """For each operand axis, its axis in a gradient product laid out as
+    (batch, free, the other operand's contracting axes in increasing order)."""
+    ndim = len(batch) + len(free) + len(contract)
+    rest = sorted(other_contract)
+    position = {}
+    for i, a in enumerate(batch):
+        position[a] = i
+    for i, a in enumerate(free):
+        position[a] = len(batch) + i
+    for a, b in zip(contract, other_contract):
+        position[a] = len(batch) + len(free) + rest.index(b)
+    return tuple(position[a] for a in range(ndim))
+
+
+# --- Products ----------------------------------------------------------------------------
+
+def _to_output(scale: jax.Array, contract: Sequence[int], batch: Sequence[int],
+               free: Sequence[int], out_free: Sequence[int], out_shape: Sequence[int]) -> Any:
+    """An operand's scale (size 1 along its contracting axes) laid out against the output."""
+    if math.prod(scale.shape) == 1:
+        return lax.reshape(scale, ())
+    kept = [a for a in range(scale.ndim) if a not in contract]
+    squeezed = lax.transpose(lax.squeeze(scale, tuple(contract)),
+                             tuple(kept.index(a) for a in (*batch, *free)))
+    return lax.broadcast_in_dim(squeezed, tuple(out_shape),
+                                tuple(range(len(batch))) + tuple(out_free))
+
+
+def _scaled_product(a: Quantized, b: Quantized, layout: _Layout, out: jax.Array) -> jax.Array:
+    """``out``, the float32 product of float8 ``a`` and ``b``, times both operands' scales."""
+    sa = _to_output(a[1], layout.lhs_contract, layout.lhs_batch, layout.lhs_free,
+                    layout.out_lhs_free, out.shape)
+    sb = _to_output(b[1], layout.rhs_contract, layout.rhs_batch, layout.rhs_free,
+                    layout.out_rhs_free, out.shape)
+    return lax.mul(lax.mul(out, sa), sb)
+
+
+def _float8_dot(a: Quantized, b: Quantized, dims: Any) -> jax.Array:
+    layout = _Layout.of(dims, a[0].ndim, b[0].ndim)
+    out = lax.dot_general(a[0], b[0], dims, preferred_element_type=F32)
+    return _scaled_product(a, b, layout, out)
+
+
+Residual = Union[Quantized, jax.Array]
+"""A forward operand saved for a backward product: quantized, or as it came."""
+
+
+def float8_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DType, DType],
+                   compute: DType, lhs: Any, rhs: Any) -> Any:
+    """``eqn``'s ``dot_general`` of ``lhs`` and ``rhs`` on float8 operands.
+
+    ``formats`` are the float8 dtypes of (lhs, rhs). The result is float32
+    (at least ``compute``), as the matmul class returns it. Operands are quantized
+    from the dtype they come in (not narrowed to the compute dtype first, so
+    float16 compute cannot overflow them). Differentiated, the gradient of
+    each operand is a float8 product of the incoming gradient (in
+    ``recipe.bwd_dtype``) and the other operand, returned in the operand's
+    dtype; with ``recipe.float8_weight_gradient`` off, rhs's gradient is a
+    product in ``compute`` accumulated in float32.
+    """
+    # This rule runs whenever the product is differentiated, possibly after this trace:
+    # it keeps the equation, recipe and dtypes, never a traced value.
+    layout = _Layout.of(eqn.params["dimension_numbers"], jnp.ndim(lhs), jnp.ndim(rhs))
+    acc, lhs_dtype, rhs_dtype = join(compute, F32), dtype_of(lhs), dtype_of(rhs)
+    fwd_params = dict(eqn.params, precision=None, preferred_element_type=F32)
+    lhs_format, rhs_format = formats
+    tensorwise = recipe.scaling == "tensorwise"
+
+    def q(x: Any, dtype: DType, contract: Sequence[int]) -> Quantized:
+        return quantize(x, dtype, recipe.scaling, contract,
+                        power_of_two=recipe.power_of_two_scales)
+
+    def forward(a: Any, b: Any) -> tuple[Any, Quantized, Quantized]:
+        qa, qb = q(a, lhs_format, layout.lhs_contract), q(b, rhs_format, layout.rhs_contract)
+        out = bind(eqn, (qa[0], qb[0]), fwd_params)  # float8 operands, float32 accumulation
+        return convert(_scaled_product(qa, qb, layout, out), acc), qa, qb
+
+    def product(a: Any, b: Any) -> Any:
+        return forward(a, b)[0]
+
+    def product_fwd(a: Any, b: Any) -> tuple[Any, tuple[Residual, Quantized]]:
+        out, qa, qb = forward(a, b)
+        # Tensorwise scales do not depend on the axes: the forward's float8 operands serve
+        # the backward products too. Rowwise ones are per row of each backward product.
+        if not recipe.float8_weight_gradient:
+            a_res: Residual = a
+        else:
+            a_res = qa if tensorwise else q(a, lhs_format, layout.lhs_free)
+        b_res = qb if tensorwise else q(b, rhs_format, layout.rhs_free)
+        return out, (a_res, b_res)
+
+    def product_bwd(res: tuple[Residual, Quantized], g: Any) -> tuple[Any, Any]:
+        a_res, b_res = res
+        dims, perm = layout.lhs_gradient()
+        grad_lhs = lax.transpose(
+            _float8_dot(q(g, recipe.bwd_dtype, layout.out_rhs_free), b_res, dims), perm)
+        dims, perm = layout.rhs_gradient()
+        if isinstance(a_res, tuple):
+            grad_rhs = _float8_dot(q(g, recipe.bwd_dtype, layout.out_lhs_free), a_res, dims)
+        else:
+            grad_rhs = lax.dot_general(convert(g, compute), convert(a_res, compute), dims,
+                                       preferred_element_type=F32)
+        return convert(grad_lhs, lhs_dtype), convert(lax.transpose(grad_rhs, perm), rhs_dtype)
+
+    product.__name__ = f"float8_{eqn.primitive.name}"
+    custom = jax.custom_vjp(product)
+    custom.defvjp(product_fwd, product_bwd)
+    return custom(lhs, rhs)
