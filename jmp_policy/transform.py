@@ -70,6 +70,18 @@ class LossScalingState(NamedTuple):
     skipped_steps: jax.Array
 
 
+class LossScaling(optax.GradientTransformationExtraArgs):  # type: ignore[misc]
+    """What `loss_scaling` returns: an optax transformation whose state type is known.
+
+    It adds nothing at run time; it only tells type checkers that ``init`` and
+    ``update`` give a `LossScalingState`, so that ``opt_state.skipped_steps``
+    type-checks in user code.
+    """
+
+    init: Callable[[optax.Params], LossScalingState]
+    update: Callable[..., Tuple[optax.Updates, LossScalingState]]
+
+
 # The update functions `loss_scaling` made, so that nesting it can be refused
 # (``_replace``, ``chain`` and friends keep the function, not a subclass).
 _UPDATES: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
@@ -80,7 +92,7 @@ def loss_scaling(
     loss_scale: LossScaleLike = "dynamic",
     *,
     axis_name: AxisName = None,
-) -> optax.GradientTransformationExtraArgs:
+) -> LossScaling:
     """Wraps ``inner`` so that it sees unscaled gradients and skips non-finite steps.
 
     Args:
@@ -98,6 +110,7 @@ def loss_scaling(
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
       `LossScalingState`. Apply its updates with ``optax.apply_updates``.
+      (Its type, `LossScaling`, only tells type checkers the state's type.)
 
     >>> import jax.numpy as jnp, optax
     >>> import jmp_policy
@@ -169,7 +182,7 @@ def loss_scaling(
         )
 
     _UPDATES.add(update_fn)
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return LossScaling(init_fn, update_fn)
 
 
 def _is_zero(value: Any) -> bool:
