@@ -468,6 +468,20 @@ def test_nested_jit_keeps_its_shardings_and_shard_map_is_autocast():
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 
+def test_loop_inside_shard_map_keeps_its_carry_varying():
+    # The loop body is traced again for its new dtypes: its carry must stay varying over
+    # the manual axis, or its product with a varying value is a type error.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    spec = jax.sharding.PartitionSpec("d")
+    stack = jax.shard_map(lambda ws, x: lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0],
+                          mesh=mesh, in_specs=(None, spec), out_specs=spec)
+    ws, x = rng(2, 8, 8, scale=0.3), rng(4, 8, seed=1)
+    f = autocast(stack, "mixed_bfloat16")
+    close(jax.jit(f)(ws, x), stack(ws, x), rtol=5e-2, atol=5e-2)
+    g = jax.jit(jax.grad(lambda ws: f(ws, x).astype(jnp.float32).sum()))(ws)
+    close(g, jax.grad(lambda ws: stack(ws, x).sum())(ws), rtol=5e-2, atol=5e-2)
+
+
 def test_scan_carry_gets_a_stable_dtype():
     def fn(x, xs):
         def body(c, a):

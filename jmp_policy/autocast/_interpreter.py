@@ -43,7 +43,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Va
 
 from jmp_policy._dtypes import is_floating_dtype
 from jmp_policy.autocast._lattice import (
-    F32, DType, convert, dtype_of, is_floating, join, represents, struct, widest)
+    F32, DType, convert, dtype_of, is_floating, join, represents, retyped, widest)
 from jmp_policy.autocast._rules import (
     INDEPENDENT, TRACED_DTYPES, AutocastWarning, Rules, scope_names)
 
@@ -311,8 +311,7 @@ def autocast_jaxpr(ctx: Context, closed: ClosedJaxpr, in_dtypes: Sequence[Any],
     hit = ctx._state.jaxprs.get(key)
     if hit is not None and hit[0] is closed:  # the entry holds `closed`, so its id is not reused
         return hit[1]
-    structs = [struct(a.shape, d, getattr(a, "weak_type", False))
-               for a, d in zip(closed.in_avals, in_dtypes)]
+    structs = [retyped(a, d) for a, d in zip(closed.in_avals, in_dtypes)]
 
     def body(*args: Any) -> list[Any]:
         outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, args)

@@ -87,6 +87,16 @@ def struct(shape: Sequence[int], dtype: Any, weak_type: bool = False) -> jax.Sha
     return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak_type)  # type: ignore[no-untyped-call]
 
 
+def retyped(aval: Any, dtype: Any) -> Any:
+    """An input of a jaxpr (its abstract value) at ``dtype``, for tracing the jaxpr again.
+
+    It keeps the value's weak type and, inside ``shard_map``, whether it varies
+    across the manual mesh axes: a loop body traced again there must see its
+    carry as varying as it was, or its first product with a varying value fails.
+    """
+    return aval if dtype == aval.dtype else aval.update(dtype=dtype)
+
+
 def convert(x: Any, dtype: Any) -> Any:
     """``x`` cast to ``dtype`` when both are floating; anything else as it is.
 
