@@ -19,6 +19,17 @@ with the same seed and batches; the script prints a table (held-out loss in
 bits per byte, steps/s, skipped steps, final loss scale, step memory) and
 writes ``results.json`` and ``lm.png`` to ``--out`` (default
 ``results/transformer_lm/``).
+
+Float8 matmuls (slow on a CPU, which emulates float8: use a GPU or few steps):
+
+    python examples/transformer_lm.py --policies mixed_bfloat16 --fp8 tensorwise rowwise
+    python examples/transformer_lm.py --policies mixed_bfloat16 --fp8 rowwise --fp8-head
+
+``--fp8 SCALING...`` adds one run per scaling of the first policy with the
+model's ``apply`` wrapped in ``jmp_policy.autocast(..., fp8=SCALING)``: the
+same model code and module policies, its matrix products in float8, except the
+``logits`` head, which the default recipe excludes. ``--fp8-head`` adds a run
+of the first scaling with the head in float8 too (``exclude=()``).
 """
 
 from __future__ import annotations
@@ -128,17 +139,23 @@ def load_text() -> np.ndarray:
     return np.frombuffer(b"\n".join(chunks), dtype=np.uint8).astype(np.int32)
 
 
-def make_train_step(policy: Any, config: Config = Config(), loss_scale: Any = "policy"):
-    """Returns ``(init, train_step, eval_loss)`` for ``policy``; all jitted."""
+def make_train_step(policy: Any, config: Config = Config(), loss_scale: Any = "policy",
+                    fp8: Any = None):
+    """Returns ``(init, train_step, eval_loss)`` for ``policy``; all jitted.
+
+    With ``fp8`` (a scaling name or ``jmp_policy.Float8Recipe``), the model's
+    matrix products run in float8 through ``jmp_policy.autocast``.
+    """
     policy = jmp_policy.Policy(policy)
     model = TransformerLM(config)
     policies = module_policies(policy)
     tx = jmp_policy.loss_scaling(optax.adamw(config.learning_rate, weight_decay=0.01),
                                  policy if loss_scale == "policy" else loss_scale)
+    apply = model.apply if fp8 is None else jmp_policy.autocast(model.apply, policy, fp8=fp8)
 
     def loss_fn(params, tokens):
         with policies:
-            logits = model.apply({"params": params}, tokens[:, :-1])
+            logits = apply({"params": params}, tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(
             logits.astype(jnp.float32), tokens[:, 1:]).mean()
 
@@ -168,14 +185,25 @@ def batches(text: np.ndarray, config: Config, seed: int):
         yield np.stack([text[s:s + config.seq_len + 1] for s in starts])
 
 
+def run_name(policy: Any, fp8: Any = None) -> str:
+    """``"mixed_bfloat16"``, ``"mixed_bfloat16 fp8 rowwise"``, ``"... fp8 rowwise, head fp8"``."""
+    name = jmp_policy.Policy(policy).name
+    if fp8 is None:
+        return name
+    recipe = fp8 if isinstance(fp8, jmp_policy.Float8Recipe) else jmp_policy.Float8Recipe(fp8)
+    head = "" if recipe.exclude else ", head fp8"
+    return f"{name} fp8 {recipe.scaling}{head}"
+
+
 def train(policy: Any, *, steps: int = 300, seed: int = 0, config: Config = Config(),
           text: Optional[np.ndarray] = None, progress: bool = False,
-          measure_memory: bool = False) -> Dict[str, Any]:
+          measure_memory: bool = False, fp8: Any = None) -> Dict[str, Any]:
     policy = jmp_policy.Policy(policy)
+    name = run_name(policy, fp8)
     text = load_text() if text is None else text
     split = int(0.9 * len(text))
     train_text, test_text = text[:split], text[split:]
-    init, train_step, eval_loss = make_train_step(policy, config)
+    init, train_step, eval_loss = make_train_step(policy, config, fp8=fp8)
     params, opt_state = init(seed)
     data = batches(train_text, config, seed)
     test_batch = next(batches(test_text, dataclasses.replace(config, batch_size=64), seed + 1))
@@ -195,7 +223,7 @@ def train(policy: Any, *, steps: int = 300, seed: int = 0, config: Config = Conf
     bar = range(steps)
     if progress:
         from tqdm import tqdm
-        bar = tqdm(bar, desc=f"{policy.name:>15}")
+        bar = tqdm(bar, desc=f"{name:>15}")
     start = None
     for i in bar:
         if i == 1:  # the first step compiles
@@ -208,6 +236,7 @@ def train(policy: Any, *, steps: int = 300, seed: int = 0, config: Config = Conf
     elapsed = time.perf_counter() - start if start is not None else float("nan")
     return {
         "policy": str(policy),
+        "run": name,
         "steps": steps,
         "test_bits_per_byte": float(eval_loss(params, test_batch)) / math.log(2),
         "steps_per_s": (steps - 1) / elapsed if steps > 1 else float("nan"),
@@ -226,6 +255,10 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=os.path.join("results", "transformer_lm"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument("--fp8", nargs="+", default=[], choices=("tensorwise", "rowwise"),
+                        help="also train the first policy with float8 matmuls, per scaling")
+    parser.add_argument("--fp8-head", action="store_true",
+                        help="also train the first --fp8 scaling with the logits head in float8")
     for field in ("d_model", "heads", "layers", "seq_len", "batch_size"):
         parser.add_argument("--" + field.replace("_", "-"), type=int,
                             default=getattr(Config(), field))
@@ -235,11 +268,17 @@ def main(argv=None) -> None:
 
     text = load_text()
     print(f"text: {len(text):,} bytes of {', '.join(TEXT_MODULES)} sources")
+    if args.fp8_head and not args.fp8:
+        parser.error("--fp8-head needs --fp8 SCALING")
+    runs = [(p, None) for p in args.policies]
+    runs += [(args.policies[0], scaling) for scaling in args.fp8]
+    if args.fp8_head:
+        runs.append((args.policies[0], jmp_policy.Float8Recipe(args.fp8[0], exclude=())))
     results = [train(p, steps=args.steps, seed=args.seed, config=config, text=text,
-                     progress=True, measure_memory=True) for p in args.policies]
+                     progress=True, measure_memory=True, fp8=fp8) for p, fp8 in runs]
     print()
     header = ("policy", "test bits/byte", "steps/s", "skipped", "final scale", "step memory")
-    rows = [(r["policy"], f"{r['test_bits_per_byte']:.3f}", f"{r['steps_per_s']:.1f}",
+    rows = [(r["run"], f"{r['test_bits_per_byte']:.3f}", f"{r['steps_per_s']:.1f}",
              str(r["skipped_steps"]), f"{r['final_loss_scale']:g}",
              "n/a" if r["step_memory_bytes"] is None else f"{r['step_memory_bytes'] / 2**20:.1f} MiB")
             for r in results]
@@ -259,8 +298,8 @@ def main(argv=None) -> None:
 
     fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
-        ax_loss.plot(np.asarray(r["losses"]) / math.log(2), label=r["policy"])
-        ax_scale.plot(r["loss_scales"], label=r["policy"])
+        ax_loss.plot(np.asarray(r["losses"]) / math.log(2), label=r["run"])
+        ax_scale.plot(r["loss_scales"], label=r["run"])
     ax_loss.set(title="training loss", xlabel="step", ylabel="bits per byte")
     ax_scale.set(title="loss scale", xlabel="step", yscale="log")
     for ax in (ax_loss, ax_scale):
