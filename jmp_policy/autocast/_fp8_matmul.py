@@ -167,7 +167,7 @@ def float8_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DType, DT
     each operand is a float8 product of the incoming gradient (in
     ``recipe.bwd_dtype``) and the other operand, returned in the operand's
     dtype; with ``recipe.float8_weight_gradient`` off, rhs's gradient is a
-    product in ``compute`` accumulated in float32.
+    product in ``compute``, as the matmul class computes it.
     """
     # This rule runs whenever the product is differentiated, possibly after this trace:
     # it keeps the equation, recipe and dtypes, never a traced value.
@@ -209,8 +209,9 @@ def float8_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DType, DT
         if isinstance(a_res, tuple):
             grad_rhs = _float8_dot(q(g, recipe.bwd_dtype, layout.out_lhs_free), a_res, dims)
         else:
+            # As the matmul class's backward products: compute-dtype operands and result.
             grad_rhs = lax.dot_general(convert(g, compute), convert(a_res, compute), dims,
-                                       preferred_element_type=F32)
+                                       preferred_element_type=compute)
         return convert(grad_lhs, lhs_dtype), convert(lax.transpose(grad_rhs, perm), rhs_dtype)
 
     product.__name__ = f"float8_{eqn.primitive.name}"
