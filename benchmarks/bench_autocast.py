@@ -4,28 +4,31 @@ Three versions of the same train step (a pre-LayerNorm transformer block with a
 classification head, Adam, dynamic loss scaling) are compiled and compared:
 
 * ``float32``: no mixed precision (reference);
-* ``hand-cast``: a careful hand-written mixed-precision model: every matmul casts
-  its operands to float16 and widens its float16 product back to float32;
-  LayerNorm, softmax and the loss stay float32, params stay float32;
+* ``hand-cast`` (the baseline): a careful hand-written mixed-precision model:
+  every matmul casts its operands to float16 and widens its float16 product
+  back to float32; LayerNorm, softmax and the loss stay float32, params stay
+  float32;
 * ``autocast``: the float32 model under ``jmp_policy.autocast(..., "mixed_float16")``.
 
-For each: time to trace + lower + compile (fresh function objects every repeat,
-so nothing is cached; best and median of ``--repeats``, compiled round-robin so
-that load on a shared machine hits every version alike), ops in the lowered StableHLO,
-ops of the optimized HLO's entry computation (the fusions, dots and copies a
-step launches), all instructions of the optimized module (fusion bodies
-included), and the run time of one step (CPU: indicative only, half precision
-is emulated there).
+Figures (`harness.measure`): trace + lower time and XLA compile time (a fresh
+autocast wrapper and JAX's caches cleared for every compile; medians of
+``--compile-rounds`` interleaved rounds), ops in the lowered StableHLO, every
+instruction of the optimized HLO (fusion bodies included), its top-level ops
+(the fusions, dots and copies a step launches), bytes accessed, and the wall
+time of a step (on a CPU indicative only: half precision is emulated there).
 
-Run: ``python benchmarks/bench_autocast.py [--repeats 5] [--width 128]``.
+Commands (from the repository root; JSON to ``benchmarks/results/bench_autocast.json``)::
+
+    python benchmarks/bench_autocast.py                      # ~1-2 min on 2 CPU cores
+    python benchmarks/bench_autocast.py --quick              # smoke run, ~20 s
+    python benchmarks/bench_autocast.py --width 256 --compile-rounds 7
 """
 
 from __future__ import annotations
 
 import argparse
-import re
-import statistics
-import time
+import sys
+from typing import List, Optional
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +36,7 @@ import numpy as np
 import optax
 from jax import lax
 
+import harness
 import jmp_policy
 
 F16 = jnp.float16
@@ -88,12 +92,24 @@ def init(key, vocab, seq, width, classes):
         g3=jnp.ones(width), c3=jnp.zeros(width))
 
 
-def make_step(kind):
-    """A fresh train step (fresh function objects: no tracing or compile cache hits)."""
+KINDS = ("float32", "hand-cast", "autocast")
+COLUMNS = [
+    harness.Column("lower_s", "trace + lower", "s"),
+    harness.Column("compile_s", "XLA compile", "s"),
+    harness.Column("stablehlo_ops", "StableHLO ops", "count"),
+    harness.Column("hlo_instructions", "HLO instructions", "count"),
+    harness.Column("top_level_ops", "top-level ops", "count"),
+    harness.Column("bytes_accessed", "bytes accessed", "bytes"),
+    harness.Column("wall_s", "step time (CPU: indicative)", "s"),
+]
+
+
+def make_step(kind: str):
+    """A fresh train step ``(params, opt_state, tokens, y) -> (params, opt_state, loss)``."""
     if kind == "float32":
-        loss_fn = lambda p, t, y: float32_loss(p, t, y)
+        loss_fn = lambda p, t, y: float32_loss(p, t, y)  # noqa: E731
     elif kind == "hand-cast":
-        loss_fn = lambda p, t, y: hand_loss(p, t, y)
+        loss_fn = lambda p, t, y: hand_loss(p, t, y)  # noqa: E731
     else:
         loss_fn = jmp_policy.autocast(lambda p, t, y: float32_loss(p, t, y), "mixed_float16")
     tx = jmp_policy.loss_scaling(optax.adam(1e-3), "dynamic")
@@ -104,100 +120,47 @@ def make_step(kind):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return jax.jit(step), tx
+    return step, tx
 
 
-def count_stablehlo_ops(text: str) -> int:
-    """Ops in the lowered module: ``%x = stablehlo.op`` plus result-less ones (return...)."""
-    return (len(re.findall(r"=\s*\"?stablehlo\.", text))
-            + len(re.findall(r"^\s*stablehlo\.", text, re.M)))
+def stablehlo_ops(build: harness.Build) -> dict:
+    return {"stablehlo_ops": harness.count_stablehlo_ops(build.lowered.as_text())}
 
 
-def count_hlo_instructions(text: str) -> int:
-    # One instruction per line of the form "name = type op(...)" in any computation.
-    return sum(1 for line in text.splitlines() if re.match(r"\s*(ROOT\s+)?%?[\w.\-]+ = ", line))
-
-
-def count_entry_instructions(text: str) -> int:
-    """Instructions of the ENTRY computation: the kernels (fusions, dots, ...) a step runs."""
-    entry = text[text.index("ENTRY"):]
-    return count_hlo_instructions(entry[:entry.index("\n}")])
-
-
-def compile_once(kind, args):
-    step, _ = make_step(kind)
-    t0 = time.perf_counter()
-    lowered = step.trace(*args).lower()
-    t1 = time.perf_counter()
-    compiled = lowered.compile()
-    t2 = time.perf_counter()
-    return t1 - t0, t2 - t0, lowered, compiled
-
-
-def measure(kinds, args, repeats):
-    """Compiles every kind ``repeats`` times, round-robin, so machine load hits all alike."""
-    for kind in kinds:
-        compile_once(kind, args)  # warm-up: JAX's own caches, imports
-    times = {kind: [] for kind in kinds}
-    last = {}
-    for _ in range(repeats):
-        for kind in kinds:
-            trace, total, lowered, compiled = compile_once(kind, args)
-            times[kind].append((trace, total))
-            last[kind] = (lowered, compiled)
-    rows = {}
-    for kind in kinds:
-        lowered, compiled = last[kind]
-        out = compiled(*args)
-        jax.block_until_ready(out)
-        t0 = time.perf_counter()
-        for _ in range(10):
-            out = compiled(*args)
-        jax.block_until_ready(out)
-        traces, totals = zip(*times[kind])
-        rows[kind] = dict(
-            trace_lower=min(traces), total=min(totals), total_median=statistics.median(totals),
-            stablehlo=count_stablehlo_ops(lowered.as_text()),
-            hlo=count_hlo_instructions(compiled.as_text()),
-            entry=count_entry_instructions(compiled.as_text()),
-            run=(time.perf_counter() - t0) / 10,
-            loss=float(out[2]),
-        )
-    return rows
-
-
-def main():
+def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
-    a = parser.parse_args()
+    harness.add_common_arguments(parser, rounds=10, iters=5, compile_rounds=5)
+    a = parser.parse_args(argv)
+    if a.quick:
+        a.width, a.seq, a.batch, a.compile_rounds, a.rounds, a.iters = 32, 16, 4, 1, 3, 2
     vocab, classes = 256, 10
     params = init(jax.random.key(0), vocab, a.seq, a.width, classes)
     tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq), 0, vocab)
     y = jax.random.randint(jax.random.key(2), (a.batch,), 0, classes)
     _, tx = make_step("float32")
     args = (params, tx.init(params), tokens, y)
+    cases = [harness.Case(kind, make_step(kind)[0], args, carry=2, extra=stablehlo_ops,
+                          make_fn=lambda kind=kind: make_step(kind)[0]) for kind in KINDS]
 
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; width {a.width}, seq {a.seq}, "
-          f"batch {a.batch}; times: best of {a.repeats} fresh compiles (median in brackets)")
-    rows = measure(("float32", "hand-cast", "autocast"), args, a.repeats)
-    print(f"{'train step':<10} | {'trace+lower s':>13} | {'+compile s (median)':>19} | "
-          f"{'StableHLO ops':>13} | {'HLO entry ops':>13} | {'HLO all instrs':>14} | "
-          f"{'step ms':>8} | {'loss':>8}")
-    print("-" * 117)
-    for kind, r in rows.items():
-        total = f"{r['total']:.3f} ({r['total_median']:.3f})"
-        print(f"{kind:<10} | {r['trace_lower']:13.3f} | {total:>19} | {r['stablehlo']:13d} | "
-              f"{r['entry']:13d} | {r['hlo']:14d} | {1e3 * r['run']:8.2f} | {r['loss']:8.4f}")
-    auto, hand = rows["autocast"], rows["hand-cast"]
-    print(f"\nautocast / hand-cast compile time: {auto['total'] / hand['total']:.2f}x best, "
-          f"{auto['total_median'] / hand['total_median']:.2f}x median "
-          f"(trace+lower alone {auto['trace_lower'] / hand['trace_lower']:.2f}x); "
-          f"StableHLO ops {auto['stablehlo']} vs {hand['stablehlo']}; optimized HLO entry ops "
-          f"{auto['entry']} vs {hand['entry']} (all instructions {auto['hlo']} vs {hand['hlo']})")
+    report = harness.Report("bench_autocast", __doc__.splitlines()[0], vars(a), argv)
+    desc = (f"transformer block + classifier, width {a.width}, seq {a.seq}, batch {a.batch}, "
+            "Adam with dynamic loss scaling")
+    print(f"jax {jax.__version__} on {jax.default_backend()}; {desc}", flush=True)
+    rows, failed = harness.measure(cases, compile_rounds=a.compile_rounds, rounds=a.rounds,
+                                   iters=a.iters, wall=not a.no_wall)
+    table = report.table("train-step", "autocast against a hand-cast train step",
+                         baseline="hand-cast", columns=COLUMNS, description=desc)
+    table.add_rows(rows)
+    report.failed(failed)
+    print(harness.render_table(table.to_json()))
+    path = a.json or harness.default_json_path("bench_autocast", a.quick)
+    report.write(path)
+    print(f"\nwrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,50 +1,77 @@
-"""Transformer LM train step: float32 vs mixed_bfloat16 vs mixed_float16 + loss scaling.
-
-    python benchmarks/gpu_train_step.py                 # GPU-sized model if a GPU is present
-    python benchmarks/gpu_train_step.py --size cpu      # small sizes (runs anywhere)
+"""Transformer LM train step: float32 against mixed_bfloat16 and mixed_float16 + loss scaling.
 
 The train step is the one of ``examples/transformer_lm.py`` (per-module policy:
 LayerNorm, softmax and logits float32; ``jmp_policy.loss_scaling`` around
-AdamW). Each policy runs in a fresh subprocess, so the device's peak memory
-(``memory_stats()["peak_bytes_in_use"]``, GPU/TPU only) is that policy's own.
-Reported per policy: median step time over ``--steps`` timed steps after
-``--warmup`` steps, the ratio to float32, XLA's memory account of one compiled
-step (arguments + outputs + temporaries), and the device peak.
+AdamW). Each policy runs in a fresh subprocess, so that the device's peak
+memory (``memory_stats()["peak_bytes_in_use"]``, GPU/TPU only) is that
+policy's own. Per policy: the median step time over ``--steps`` timed steps
+after ``--warmup`` steps, as a ratio to float32; XLA's memory account of one
+compiled step (arguments + outputs + temporaries) and bytes accessed; the
+device's peak memory; the loss after the steps and the skipped steps.
+
+Commands (from the repository root; JSON to ``benchmarks/results/gpu_train_step.json``)::
+
+    python benchmarks/gpu_train_step.py                 # GPU-sized model on a GPU, else --size cpu
+    python benchmarks/gpu_train_step.py --size cpu      # small sizes, runs anywhere (~1 min on CPU)
+    python benchmarks/gpu_train_step.py --quick         # smoke run: --size cpu, 3 steps
+
+On a GPU machine whose Python lacks this checkout's packages::
+
+    PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/gpu_train_step.py
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import importlib.util
 import json
 import os
 import subprocess
 import sys
-import time
+from typing import Any, Dict, List, Optional
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, os.pardir, "examples"))
+import harness
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 SIZES = {
     "cpu": dict(d_model=64, heads=4, layers=2, seq_len=64, batch_size=16),
     "gpu": dict(d_model=1024, heads=16, layers=8, seq_len=512, batch_size=32),
 }
+COLUMNS = [
+    harness.Column("wall_s", "step time", "s"),
+    harness.Column("bytes_accessed", "bytes accessed", "bytes"),
+    harness.Column("step_memory_bytes", "step memory (XLA)", "bytes"),
+    harness.Column("peak_device_bytes", "peak device memory", "bytes"),
+    harness.Column("final_loss", "loss after the steps", ""),
+    harness.Column("skipped_steps", "skipped steps", "count", ratio=False),
+]
 
 
-def run_one(policy: str, size: dict, steps: int, warmup: int) -> dict:
+def load_example(name: str) -> Any:
+    """``examples/<name>.py`` as a module (it is a script, not part of the package)."""
+    path = os.path.join(harness.REPO, "examples", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # flax modules are dataclasses: they look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_one(policy: str, size: Dict[str, int], steps: int, warmup: int) -> Dict[str, Any]:
+    """One policy's figures (in a child process)."""
+    import time
+
     import jax
     import numpy as np
+    import optax
 
-    import transformer_lm as lm
-
+    lm = load_example("transformer_lm")
     config = lm.Config(**size)
     init, train_step, _ = lm.make_train_step(policy, config)
     params, opt_state = init(0)
-    data = lm.batches(lm.load_text(), config, seed=0)
-    batch = jax.device_put(next(data))
+    batch = jax.device_put(next(lm.batches(lm.load_text(), config, seed=0)))
     compiled = train_step.lower(params, opt_state, batch).compile()
-    memory = compiled.memory_analysis()
+    figures = harness.xla_figures(compiled)
     for _ in range(warmup):
         params, opt_state, loss = train_step(params, opt_state, batch)
     jax.block_until_ready(params)
@@ -55,69 +82,65 @@ def run_one(policy: str, size: dict, steps: int, warmup: int) -> dict:
         jax.block_until_ready((params, loss))
         times.append(time.perf_counter() - start)
     stats = jax.local_devices()[0].memory_stats() or {}
-    n_params = sum(x.size for x in jax.tree.leaves(params))
+    memory = [figures[k] for k in ("argument_bytes", "output_bytes", "temp_bytes")]
     return {
         "policy": policy,
-        "device": jax.devices()[0].device_kind,
-        "params": int(n_params),
-        "step_ms": 1e3 * float(np.median(times)),
-        "step_memory_bytes": None if memory is None else int(
-            memory.argument_size_in_bytes + memory.output_size_in_bytes
-            + memory.temp_size_in_bytes),
-        "peak_device_bytes": stats.get("peak_bytes_in_use"),
-        "final_loss": float(loss),
-        "skipped_steps": int(__import__("optax").tree_utils.tree_get(opt_state, "skipped_steps")),
+        "params": int(sum(x.size for x in jax.tree.leaves(params))),
+        "figures": {
+            "wall_s": float(np.median(times)),
+            "bytes_accessed": figures["bytes_accessed"],
+            "step_memory_bytes": None if None in memory else sum(memory),
+            "peak_device_bytes": stats.get("peak_bytes_in_use"),
+            "final_loss": float(loss),
+            "skipped_steps": int(optax.tree_utils.tree_get(opt_state, "skipped_steps")),
+        },
+        "samples": {"wall_s": times},
     }
 
 
-def _mib(n) -> str:
-    return "n/a" if n is None else f"{n / 2**20:,.0f} MiB"
-
-
-def main(argv=None) -> None:
+def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default=None,
                         help="model size preset (default: gpu on a GPU, else cpu)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
-    parser.add_argument("--out", default=None, help="write results as JSON here")
+    parser.add_argument("--json", help="write the report here (default: "
+                        "benchmarks/results/gpu_train_step.json; .quick.json with --quick)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: --size cpu, 3 steps")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.one is not None:  # child process: one policy, JSON on the last line
         print(json.dumps(run_one(args.one, SIZES[args.size], args.steps, args.warmup)))
-        return
+        return 0
 
-    size = args.size
-    if size is None:
+    if args.quick:
+        args.size, args.steps, args.warmup = "cpu", 3, 1
+    if args.size is None:
         import jax
-        size = "gpu" if jax.default_backend() == "gpu" else "cpu"
+        args.size = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    report = harness.Report("gpu_train_step", __doc__.split("\n")[0], vars(args), argv)
     results = []
     for policy in args.policies:
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", policy, "--size", size,
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", policy, "--size", args.size,
                "--steps", str(args.steps), "--warmup", str(args.warmup)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
-        print(f"{policy}: {results[-1]['step_ms']:.2f} ms/step", flush=True)
-
-    base = next((r["step_ms"] for r in results if r["policy"] == "float32"), None)
-    device = results[0]["device"]
-    date = datetime.date.today().isoformat()
-    print(f"\n{device}, {date}, size={size} {SIZES[size]}, {results[0]['params']:,} params, "
-          f"median of {args.steps} steps")
-    print("| policy | step time | speed-up vs float32 | step memory (XLA) | peak device memory "
-          "| skipped |")
-    print("|---|---|---|---|---|---|")
+        print(f"{policy}: {results[-1]['figures']['wall_s'] * 1e3:.2f} ms/step", flush=True)
+    desc = (f"size {args.size} {SIZES[args.size]}, {results[0]['params']:,} params, "
+            f"median of {args.steps} steps after {args.warmup}")
+    table = report.table("policies", "Transformer LM train step by policy",
+                         baseline="float32" if "float32" in args.policies else None,
+                         columns=COLUMNS, description=desc)
     for r in results:
-        ratio = "n/a" if base is None else f"{base / r['step_ms']:.2f}x"
-        print(f"| {r['policy']} | {r['step_ms']:.2f} ms | {ratio} | {_mib(r['step_memory_bytes'])} "
-              f"| {_mib(r['peak_device_bytes'])} | {r['skipped_steps']} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"date": date, "size": size, "config": SIZES[size], "results": results},
-                      f, indent=1)
+        table.add_row(r["policy"], r["figures"], samples=r["samples"])
+    print(harness.render_table(table.to_json()))
+    path = args.json or harness.default_json_path("gpu_train_step", args.quick)
+    report.write(path)
+    print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
