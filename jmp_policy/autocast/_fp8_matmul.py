@@ -12,10 +12,9 @@ saved forward operand in its forward format.
 
 >>> import jax, jax.numpy as jnp, jmp_policy
 >>> f = jmp_policy.autocast(lambda x, w: x @ w, "mixed_bfloat16", fp8="tensorwise")
->>> jaxpr = jax.make_jaxpr(f)(jnp.ones((32, 64)), jnp.ones((64, 16)))
->>> [(e.invars[0].aval.dtype, e.invars[1].aval.dtype, e.params["preferred_element_type"])
-...  for e in jaxpr.eqns[0].params["call_jaxpr"].eqns if e.primitive.name == "dot_general"]
-[(dtype(float8_e4m3fn), dtype(float8_e4m3fn), dtype('float32'))]
+>>> module = jax.jit(f).lower(jnp.ones((32, 64)), jnp.ones((64, 16))).as_text()
+>>> [line.split(" : ")[-1] for line in module.splitlines() if "stablehlo.dot_general" in line]
+['(tensor<32x64xf8E4M3FN>, tensor<64x16xf8E4M3FN>) -> tensor<32x16xf32>']
 """
 
 from __future__ import annotations
@@ -131,8 +130,10 @@ def _to_output(scale: jax.Array, contract: Sequence[int], batch: Sequence[int],
     if math.prod(scale.shape) == 1:
         return lax.reshape(scale, ())
     kept = [a for a in range(scale.ndim) if a not in contract]
-    squeezed = lax.transpose(lax.squeeze(scale, tuple(contract)),
-                             tuple(kept.index(a) for a in (*batch, *free)))
+    order = tuple(kept.index(a) for a in (*batch, *free))
+    squeezed = lax.squeeze(scale, tuple(contract))
+    if order != tuple(range(len(order))):  # batch axes after free ones, as in attention
+        squeezed = lax.transpose(squeezed, order)
     return lax.broadcast_in_dim(squeezed, tuple(out_shape),
                                 tuple(range(len(batch))) + tuple(out_free))
 
