@@ -517,11 +517,13 @@ class Report:
     """What one run of a benchmark script writes: its environment, settings and tables."""
 
     def __init__(self, benchmark: str, description: str = "",
-                 settings: Optional[Dict[str, Any]] = None, argv: Optional[Sequence[str]] = None):
+                 settings: Optional[Dict[str, Any]] = None, argv: Optional[Sequence[str]] = None,
+                 env: Optional[Dict[str, Any]] = None):
+        """``env``: the run's `environment`, when another process measured (default: this one's)."""
         self.benchmark, self.description = benchmark, description
         self.settings = dict(settings or {})
         self.command = command_line(argv)
-        self.environment = environment()
+        self.environment = env if env is not None else environment()
         self.tables: List[Table] = []
         self.failures: List[Dict[str, str]] = []
         self.notes: List[str] = []
@@ -572,7 +574,8 @@ def format_figure(value: Any, unit: str) -> str:
     if value is None:
         return "n/a"
     if unit == "s":
-        return f"{value * 1e3:.2f} ms" if value < 10 else f"{value:.1f} s"
+        ms = value * 1e3
+        return f"{ms:.2f} ms" if ms < 10 else f"{ms:.1f} ms" if ms < 1000 else f"{value:.2f} s"
     if unit == "bytes":
         mib = value / 2**20
         return f"{mib:.1f} MiB" if mib < 100 else f"{mib:.0f} MiB"
