@@ -40,24 +40,38 @@ from jmp_policy.transform import (
     scaled_value_and_grad,
 )
 from jmp_policy.autocast import AutocastWarning, autocast
+from jmp_policy.low_precision import (
+    CastState,
+    KahanState,
+    SplitState,
+    StochasticRoundingState,
+    cast_state,
+    low_precision_params,
+    master_params,
+)
 from jmp_policy.autocast import Float8Recipe
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AutocastWarning",
+    "CastState",
     "DynamicLossScale",
     "Float8Recipe",
+    "KahanState",
     "LossScale",
     "LossScalingState",
     "NoOpLossScale",
     "Policy",
     "PolicyMap",
+    "SplitState",
     "StaticLossScale",
+    "StochasticRoundingState",
     "UnmatchedRuleWarning",
     "all_finite",
     "autocast",
     "cast_to_full",
+    "cast_state",
     "cast_to_half",
     "dtype_policy",
     "get_loss_scale",
@@ -65,6 +79,8 @@ __all__ = [
     "global_policy",
     "half_dtype",
     "loss_scaling",
+    "low_precision_params",
+    "master_params",
     "policy_scope",
     "scaled_value_and_grad",
     "select_tree",

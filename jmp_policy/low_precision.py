@@ -1,0 +1,585 @@
+"""bfloat16 parameters and optimizer states that train like float32.
+
+Storing weights in bfloat16 halves their memory, but a plain bfloat16 update
+rounds to nearest: an update smaller than half a unit in the last place of a
+weight (about ``2**-9`` of it) is lost, so small learning rates stall.
+`low_precision_params` wraps any optax optimizer so that it does not:
+
+* ``"kahan"`` keeps, per parameter, a compensation buffer in the parameter
+  dtype holding what rounding took away; the next step adds it back.
+* ``"stochastic"`` rounds each new weight up or down at random, with
+  probabilities that make its mean the exact float32 result. The PRNG key is
+  part of the optimizer state.
+* ``"split"`` keeps the low 16 bits of a float32 weight whose high 16 bits
+  are the bfloat16 parameter: the float32 weight is rebuilt, updated in
+  float32 and split again, exactly as float32 master weights would be.
+
+`cast_state` stores an optimizer's state (Adam's two moments, momentum...) in
+bfloat16, widening it to float32 for each update and rounding it back
+stochastically, so that a slow moving average such as Adam's second moment
+still moves. `master_params` returns the float32 weights that training tracks.
+
+The wrapped optimizer always computes in float32: it sees float32 gradients,
+float32 parameters (the compensated, or rebuilt, weights) and keeps a float32
+state unless `cast_state` says otherwise. Apply the updates with
+``optax.apply_updates``; they are float32 and place every weight exactly on
+its new bfloat16 value.
+
+>>> import jax.numpy as jnp, optax
+>>> import jmp_policy
+>>> params = {"w": jnp.ones(2, jnp.bfloat16)}
+>>> tx = jmp_policy.low_precision_params(optax.sgd(1e-3), "kahan")
+>>> state = tx.init(params)
+>>> for _ in range(8):
+...     updates, state = tx.update({"w": jnp.ones(2)}, state, params)
+...     params = optax.apply_updates(params, updates)
+>>> params["w"]  # 1 - 8e-3, in bfloat16; plain bfloat16 steps of 1e-3 stay at 1
+Array([0.992188, 0.992188], dtype=bfloat16)
+>>> jmp_policy.master_params(params, state)["w"].round(4)  # the weights training tracks
+Array([0.992, 0.992], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from typing import Any, Callable, NamedTuple, Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_policy.transform import _loss_scaling_states
+
+Seed = Union[int, jax.Array]
+
+METHODS = ("kahan", "stochastic", "split")
+ROUNDINGS = ("stochastic", "nearest")
+
+# Distinct streams for the two transformations, so that the same seed given
+# to both does not round the weights and the moments with the same numbers.
+_PARAMS_STREAM = 1
+_STATE_STREAM = 2
+
+
+class KahanState(NamedTuple):
+    """State of ``low_precision_params(inner, "kahan")``.
+
+    Attributes:
+      inner_state: the wrapped optimizer's state.
+      compensation: per low-precision parameter, in its dtype, what rounding
+        the weight took away (``optax.MaskedNode()`` for float32 parameters).
+    """
+
+    inner_state: optax.OptState
+    compensation: optax.Params
+
+
+class StochasticRoundingState(NamedTuple):
+    """State of ``low_precision_params(inner, "stochastic")``.
+
+    Attributes:
+      inner_state: the wrapped optimizer's state.
+      key: the raw data (``jax.random.key_data``) of the PRNG key of the next
+        step; each step splits it, so no two steps round alike.
+    """
+
+    inner_state: optax.OptState
+    key: jax.Array
+
+
+class SplitState(NamedTuple):
+    """State of ``low_precision_params(inner, "split")``.
+
+    Attributes:
+      inner_state: the wrapped optimizer's state.
+      low_bits: per bfloat16 parameter, a uint16 array of the low 16 bits of
+        the float32 weight whose high 16 bits are the parameter
+        (``optax.MaskedNode()`` for float32 parameters).
+    """
+
+    inner_state: optax.OptState
+    low_bits: optax.Params
+
+
+class CastState(NamedTuple):
+    """State of `cast_state`.
+
+    Attributes:
+      inner_state: the wrapped optimizer's state, its floating arrays stored
+        in the narrow dtype.
+      key: the raw data of the PRNG key of the next stochastic rounding
+        (``None`` when rounding to nearest).
+    """
+
+    inner_state: optax.OptState
+    key: Optional[jax.Array]
+
+
+LowPrecisionState = Union[KahanState, StochasticRoundingState, SplitState]
+
+
+def low_precision_params(
+    inner: optax.GradientTransformation,
+    method: str = "kahan",
+    *,
+    seed: Seed = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps ``inner`` so that bfloat16 (or float16) parameters train like float32 ones.
+
+    Args:
+      inner: the optimizer (any optax transformation). It runs in float32 on
+        float32 gradients and sees float32 parameters: the compensated weights
+        (``"kahan"``), the weights (``"stochastic"``) or the rebuilt float32
+        weights (``"split"``). Its state is float32; wrap it in `cast_state` to
+        store that state in bfloat16.
+      method: ``"kahan"`` (a compensation buffer per parameter, in its dtype:
+        2 bytes per bfloat16 parameter), ``"stochastic"`` (stochastic
+        rounding; no buffer) or ``"split"`` (the low 16 bits of each float32
+        weight: 2 bytes; bfloat16 parameters only).
+      seed: for ``"stochastic"``, an int or a PRNG key from which the rounding
+        is drawn; training is reproducible from it.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs
+      ``params``. Its state is a `KahanState`, `StochasticRoundingState` or
+      `SplitState`. Apply its (float32) updates with ``optax.apply_updates``
+      and nothing after it: each update takes its weight exactly to the new
+      low-precision value. Only `jmp_policy.loss_scaling` and
+      ``optax.MultiSteps`` may wrap it, and ``loss_scaling`` must wrap it rather
+      than be wrapped, so that a skipped step changes nothing.
+
+    Parameters in float32 or wider are updated as ``inner`` says, with no
+    buffer; integer parameters are an error.
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import jmp_policy
+    >>> params = {"w": jnp.full(4, 1.0, jnp.bfloat16)}
+    >>> tx = jmp_policy.low_precision_params(optax.sgd(1e-3), "stochastic", seed=0)
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.ones(4)}, state, params)
+    >>> new = optax.apply_updates(params, updates)["w"]
+    >>> new.dtype, bool(jnp.all((new == 1) | (new == 1 - 2.0**-8)))
+    (dtype(bfloat16), True)
+    """
+    method = _check_choice("low_precision_params", "method", method, METHODS)
+    key = _key_data(seed, _PARAMS_STREAM, "low_precision_params")
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params: optax.Params) -> LowPrecisionState:
+        handled = _handled_leaves(params, method, warn=True)
+        inner_state = inner.init(_widened(params, handled))
+        _refuse_inner_loss_scaling("low_precision_params", inner_state)
+        if method == "kahan":
+            # -0.0, the additive identity: x + (-0.0) is x for every x, -0.0 included.
+            return KahanState(inner_state, _buffers(params, handled, lambda p: -jnp.zeros_like(p)))
+        if method == "split":
+            return SplitState(inner_state,
+                              _buffers(params, handled, lambda p: jnp.zeros_like(p, jnp.uint16)))
+        return StochasticRoundingState(inner_state, key)
+
+    def update_fn(
+        grads: optax.Updates,
+        state: LowPrecisionState,
+        params: Optional[optax.Params] = None,
+        **extra_args: Any,
+    ) -> Tuple[optax.Updates, LowPrecisionState]:
+        _check_update_args(method, state, params)
+        handled = _handled_leaves(params, method)
+        grads = _widened(grads, handled)
+        seen = _params_seen_by_inner(params, state, handled)
+        updates, inner_state = inner.update(grads, state.inner_state, seen, **extra_args)
+        if isinstance(state, KahanState):
+            updates, compensation = _per_leaf(_kahan_step, handled, params, updates,
+                                              state.compensation)
+            return updates, KahanState(inner_state, compensation)
+        if isinstance(state, SplitState):
+            updates, low_bits = _per_leaf(_split_step, handled, seen, updates, params)
+            return updates, SplitState(inner_state, low_bits)
+        next_key, step_key = _split_key(state.key)
+        keys = _leaf_keys(step_key, params)
+        updates, _ = _per_leaf(_stochastic_step, handled, params, updates, keys)
+        return updates, StochasticRoundingState(inner_state, next_key)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def cast_state(
+    inner: optax.GradientTransformation,
+    dtype: Any = jnp.bfloat16,
+    *,
+    rounding: str = "stochastic",
+    seed: Seed = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """Stores ``inner``'s state in ``dtype``; ``inner`` still computes in float32.
+
+    Every floating array of the state with at least one dimension (Adam's
+    ``mu`` and ``nu``, momentum...) is kept in ``dtype``. Each ``update``
+    widens it to float32, runs ``inner`` and rounds the new state back.
+    Scalars (step counts, injected hyperparameters) are left as they are.
+
+    Rounding to nearest loses any change smaller than half a unit in the last
+    place: with ``b2=0.999``, Adam's second moment changes by 0.1% of itself
+    per step, below bfloat16's 0.2% to 0.4%, so it stops decaying. Stochastic
+    rounding (the default) keeps every moving average unbiased.
+
+    Args:
+      inner: the optimizer whose state to store narrowly.
+      dtype: the storage dtype, a floating dtype narrower than float32.
+      rounding: ``"stochastic"`` (default) or ``"nearest"``.
+      seed: an int or a PRNG key for stochastic rounding.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a `CastState`.
+
+    >>> import jax.numpy as jnp, optax
+    >>> import jmp_policy
+    >>> tx = jmp_policy.cast_state(optax.adam(1e-3), jnp.bfloat16)
+    >>> state = tx.init({"w": jnp.zeros(3)})
+    >>> updates, state = tx.update({"w": jnp.ones(3)}, state)
+    >>> state.inner_state[0].nu["w"].dtype, updates["w"].dtype
+    (dtype(bfloat16), dtype('float32'))
+    """
+    dtype = _narrow_dtype(dtype)
+    rounding = _check_choice("cast_state", "rounding", rounding, ROUNDINGS)
+    key = _key_data(seed, _STATE_STREAM, "cast_state") if rounding == "stochastic" else None
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params: optax.Params) -> CastState:
+        inner_state = inner.init(params)
+        _refuse_inner_loss_scaling("cast_state", inner_state)
+        return CastState(_narrowed(inner_state, dtype, None), key)
+
+    def update_fn(
+        grads: optax.Updates,
+        state: CastState,
+        params: Optional[optax.Params] = None,
+        **extra_args: Any,
+    ) -> Tuple[optax.Updates, CastState]:
+        if not isinstance(state, CastState):
+            raise TypeError(f"cast_state.update expected the CastState made by this "
+                            f"transformation's init, got {type(state).__name__}.")
+        updates, inner_state = inner.update(grads, _widened_state(state.inner_state), params,
+                                            **extra_args)
+        if state.key is None:
+            return updates, CastState(_narrowed(inner_state, dtype, None), None)
+        next_key, step_key = _split_key(state.key)
+        return updates, CastState(_narrowed(inner_state, dtype, step_key), next_key)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def master_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params:
+    """The float32 weights that `low_precision_params` tracks behind ``params``.
+
+    ``"split"``: the float32 weights, exactly; ``"kahan"``: each weight plus
+    its compensation; ``"stochastic"``: the weights, widened. Parameters the
+    transformation leaves alone come back as they are. The state may be
+    nested anywhere in ``opt_state`` (``loss_scaling``, ``MultiSteps``...).
+
+    >>> import jax.numpy as jnp, optax
+    >>> import jmp_policy
+    >>> params = {"w": jnp.array([1.0], jnp.bfloat16)}
+    >>> tx = jmp_policy.low_precision_params(optax.sgd(2.0**-12), "split")
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": -jnp.ones(1)}, state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> params["w"], jmp_policy.master_params(params, state)["w"]
+    (Array([1], dtype=bfloat16), Array([1.0002441], dtype=float32))
+    """
+    state = _low_precision_state(opt_state)
+    method = {KahanState: "kahan", SplitState: "split"}.get(type(state), "stochastic")
+    handled = _handled_leaves(params, method)
+    return _params_seen_by_inner(params, state, handled)
+
+
+# --------------------------------------------------------------------------- #
+# The three methods, one parameter at a time. Each returns the float32 update
+# for ``optax.apply_updates`` and the parameter's new buffer.
+# --------------------------------------------------------------------------- #
+
+def _kahan_step(p: jax.Array, update: jax.Array, c: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    # The small terms first, so that an update far below the weight's
+    # precision still adds to the compensation.
+    total = p.astype(jnp.float32) + (c.astype(jnp.float32) + update)
+    to_new = _update_to(p, total.astype(p.dtype))
+    new = _applied(p, to_new)
+    # ``total - new`` is exact in float32 (the two are within a rounding of
+    # each other); it is measured against the weight apply_updates gives, so
+    # the compensation is right even where that is not the nearest value.
+    rest = total - new.astype(jnp.float32)
+    rest = jnp.where(jnp.isfinite(new) & (rest != 0), rest, -0.0)
+    return to_new, rest.astype(p.dtype)
+
+
+def _stochastic_step(p: jax.Array, update: jax.Array, key: jax.Array) -> Tuple[jax.Array, None]:
+    new = _stochastic_round(p.astype(jnp.float32) + update, p.dtype, key)
+    return _update_to(p, new), None
+
+
+def _split_step(weight: jax.Array, update: jax.Array, p: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    # The same float32 addition optax.apply_updates makes on float32 weights.
+    high, low = _split_float32(jnp.asarray(weight + update).astype(jnp.float32))
+    return _update_to(p, high), low
+
+
+class _Pair:
+    """An update and a buffer: not a pytree, so a leaf of the tree `_per_leaf` builds."""
+
+    def __init__(self, update: Any, buffer: Any):
+        self.update, self.buffer = update, buffer
+
+
+def _per_leaf(step: Callable[..., Tuple[Any, Any]], handled: Any, *trees: Any) -> Tuple[Any, Any]:
+    """``step`` on every handled leaf: (updates, buffers); other leaves pass through.
+
+    ``trees[1]`` holds the inner updates, which unhandled leaves take as they are;
+    their buffer is ``optax.MaskedNode()``.
+    """
+    def leaf(is_handled: bool, *args: Any) -> _Pair:
+        return _Pair(*step(*args)) if is_handled else _Pair(args[1], optax.MaskedNode())
+
+    pairs = jax.tree_util.tree_map(leaf, handled, *trees)
+    return (jax.tree_util.tree_map(lambda pair: pair.update, pairs),
+            jax.tree_util.tree_map(lambda pair: pair.buffer, pairs))
+
+
+# --------------------------------------------------------------------------- #
+# Exact updates.
+#
+# optax.apply_updates computes ``(p + u).astype(p.dtype)``: for a bfloat16 p and
+# a float32 u, p is widened (exactly), added to u in float32 and the sum rounded
+# to nearest. ``_update_to(p, new)`` returns ``u = float32(new) - float32(p)``.
+# That difference is exact in float32 whenever new's exponent is within 16 of
+# p's (at most 8 + 16 significant bits); then p + u is new exactly and the
+# rounding keeps it. When new is far larger than p, p + u is within 2**-22 of
+# new, far inside half a bfloat16 ulp, so it still rounds to new. When new is
+# far smaller than p, it came from a cancellation p + v that is exact, so it
+# lies on p's float32 grid and the difference is exact again. What cannot be
+# reached is a -0.0 from any other value (x + y is -0.0 only for two -0.0s)
+# and, where the hardware flushes them, a subnormal result; ``_applied`` says
+# what the weight then becomes, and the Kahan buffer accounts for it.
+# --------------------------------------------------------------------------- #
+
+def _update_to(p: jax.Array, new: jax.Array) -> jax.Array:
+    """The float32 update with which ``optax.apply_updates`` moves ``p`` to ``new``."""
+    unchanged = _bits(p) == _bits(new)
+    # -0.0: p + (-0.0) is p for every p, signed zeros, infinities and NaNs included.
+    return jnp.where(unchanged, -0.0, new.astype(jnp.float32) - p.astype(jnp.float32))
+
+
+def _applied(p: jax.Array, update: jax.Array) -> jax.Array:
+    """What ``optax.apply_updates`` makes of ``p`` and a float32 ``update``."""
+    return (p.astype(jnp.float32) + update).astype(p.dtype)
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def _stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
+    """``x`` (float32) rounded to one of its two neighbours in ``dtype``, with mean ``x``.
+
+    The farther neighbour is taken with probability ``|x - nearest| / gap``;
+    that ratio is exact (both differences are exact and the gap is a power of
+    two) and, for bfloat16, a multiple of ``2**-16``, so comparing it with a
+    uniform number on a ``2**-24`` grid makes the mean exactly ``x``. Values
+    beyond the largest finite value, infinities and NaNs round to nearest.
+    """
+    nearest = x.astype(dtype)
+    wide = nearest.astype(jnp.float32)
+    direction = jnp.where(x > wide, jnp.inf, -jnp.inf).astype(dtype)
+    other = jnp.nextafter(nearest, direction)
+    fraction = (x - wide) / (other.astype(jnp.float32) - wide)
+    uniform = (jax.random.bits(key, x.shape, jnp.uint32) >> 8).astype(jnp.float32) * 2.0**-24
+    return jnp.where(uniform < fraction, other, nearest)
+
+
+def _split_float32(x: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    """A float32 array as (its high 16 bits as bfloat16, its low 16 bits as uint16)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    high = jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
+    return high, (bits & 0xFFFF).astype(jnp.uint16)
+
+
+def _join_float32(high: jax.Array, low: jax.Array) -> jax.Array:
+    """The inverse of `_split_float32`."""
+    bits = (_bits(high).astype(jnp.uint32) << 16) | low.astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+# --------------------------------------------------------------------------- #
+# Trees.
+# --------------------------------------------------------------------------- #
+
+_NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _handled_leaves(params: Any, method: str, warn: bool = False) -> Any:
+    """Per leaf of ``params``: whether the method applies (a narrow float) or not (float32+).
+
+    Raises for leaves no method can update; warns when no leaf is narrow.
+    """
+    def handled(path: Any, p: Any) -> bool:
+        dtype = jnp.dtype(p.dtype if hasattr(p, "dtype") else np.result_type(p))
+        where = jax.tree_util.keystr(path) or "params"
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"low_precision_params: the parameter at {where} has dtype {dtype}; "
+                "parameters must be floating (bfloat16, float16, or float32 and wider, which "
+                "are updated as the inner optimizer says).")
+        if dtype not in _NARROW:
+            if dtype.itemsize < 2:
+                raise TypeError(
+                    f"low_precision_params: the parameter at {where} has dtype {dtype}; "
+                    "supported are bfloat16 and float16 (and float32 or wider, left as they are).")
+            return False
+        if method == "split" and dtype != jnp.bfloat16:
+            raise TypeError(
+                f"low_precision_params: method 'split' needs bfloat16 parameters (the high half "
+                f"of a float32), but the parameter at {where} is {dtype}; use 'kahan' or "
+                "'stochastic' for float16.")
+        return True
+
+    flags = jax.tree_util.tree_map_with_path(handled, params)
+    leaves = jax.tree_util.tree_leaves(flags)
+    if warn and leaves and not any(leaves):
+        warnings.warn(
+            f"low_precision_params: no parameter is bfloat16 or float16 (all are float32 or "
+            f"wider), so method {method!r} changes nothing. Store the parameters in bfloat16, "
+            "e.g. with jmp_policy.Policy('params=bfloat16,compute=bfloat16').cast_to_param(params).",
+            UserWarning, stacklevel=3)
+    return flags
+
+
+def _widened(tree: Any, handled: Any) -> Any:
+    """The handled leaves of ``tree`` in float32; the others as they are."""
+    return jax.tree_util.tree_map(
+        lambda h, x: jnp.asarray(x, jnp.float32) if h else x, handled, tree)
+
+
+def _buffers(params: Any, handled: Any, make: Callable[[jax.Array], jax.Array]) -> Any:
+    # zeros_like keeps each parameter's sharding (explicit meshes) in the buffer.
+    return jax.tree_util.tree_map(
+        lambda h, p: make(p) if h else optax.MaskedNode(), handled, params)
+
+
+def _params_seen_by_inner(params: Any, state: LowPrecisionState, handled: Any) -> Any:
+    """The float32 weights: compensated (Kahan), rebuilt (split) or widened (stochastic)."""
+    if isinstance(state, KahanState):
+        return jax.tree_util.tree_map(
+            lambda h, p, c: p.astype(jnp.float32) + c.astype(jnp.float32) if h else p,
+            handled, params, state.compensation)
+    if isinstance(state, SplitState):
+        return jax.tree_util.tree_map(
+            lambda h, p, low: _join_float32(p, low) if h else p, handled, params, state.low_bits)
+    return _widened(params, handled)
+
+
+def _leaf_keys(key: jax.Array, params: Any) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    keys = jax.random.split(key, max(len(leaves), 1))
+    return jax.tree_util.tree_unflatten(treedef, list(keys[: len(leaves)]))
+
+
+def _is_stored_narrow(x: Any) -> bool:
+    """Whether a state leaf is one `cast_state` stores narrowly: a floating array, not a scalar."""
+    dtype = getattr(x, "dtype", None)
+    return (dtype is not None and jnp.ndim(x) > 0
+            and jnp.issubdtype(dtype, jnp.floating))
+
+
+def _narrowed(state: Any, dtype: Any, key: Optional[jax.Array]) -> Any:
+    """``state`` with its stored-narrow leaves in ``dtype``: stochastically rounded with ``key``."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    keys = list(jax.random.split(key, max(len(leaves), 1))) if key is not None else None
+    out = []
+    for i, x in enumerate(leaves):
+        if _is_stored_narrow(x):
+            x = (jnp.asarray(x).astype(dtype) if keys is None
+                 else _stochastic_round(jnp.asarray(x, jnp.float32), dtype, keys[i]))
+        out.append(x)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _widened_state(state: Any) -> Any:
+    return jax.tree_util.tree_map(
+        lambda x: jnp.asarray(x, jnp.float32) if _is_stored_narrow(x) else x, state)
+
+
+# --------------------------------------------------------------------------- #
+# Keys and argument checks.
+# --------------------------------------------------------------------------- #
+
+def _key_data(seed: Seed, stream: int, name: str) -> jax.Array:
+    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+        key = jax.random.key(int(seed))
+    elif isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
+        key = seed
+    elif isinstance(seed, (jax.Array, np.ndarray)) and seed.dtype == jnp.uint32:
+        key = jax.random.wrap_key_data(seed)
+    else:
+        raise TypeError(f"{name}: seed must be an int or a PRNG key (jax.random.key(0)), got "
+                        f"{type(seed).__name__}.")
+    return jax.random.key_data(jax.random.fold_in(key, stream))
+
+
+def _split_key(data: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    """(the next step's key data, this step's key)."""
+    next_key, step_key = jax.random.split(jax.random.wrap_key_data(data))
+    return jax.random.key_data(next_key), step_key
+
+
+def _check_choice(name: str, arg: str, value: Any, choices: Tuple[str, ...]) -> str:
+    if value in choices:
+        return str(value)
+    close = difflib.get_close_matches(str(value), choices, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else "."
+    raise ValueError(f"{name}: {arg} must be one of {', '.join(map(repr, choices))}, got "
+                     f"{value!r}{hint}")
+
+
+def _narrow_dtype(dtype: Any) -> Any:
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in _NARROW:
+        raise ValueError(f"cast_state: dtype must be bfloat16 or float16 (narrower than the "
+                         f"float32 the optimizer computes in), got {dtype}.")
+    return dtype
+
+
+def _refuse_inner_loss_scaling(name: str, inner_state: Any) -> None:
+    if _loss_scaling_states(inner_state):
+        raise ValueError(
+            f"{name}: the inner optimizer contains loss_scaling. Put loss_scaling outside, "
+            f"loss_scaling({name}(inner, ...)), so that a skipped step leaves the weights and "
+            f"every buffer and key of {name} unchanged, bit for bit.")
+
+
+def _check_update_args(method: str, state: Any, params: Any) -> None:
+    expected = {"kahan": KahanState, "stochastic": StochasticRoundingState,
+                "split": SplitState}[method]
+    if not isinstance(state, expected):
+        raise TypeError(f"low_precision_params({method!r}).update expected the "
+                        f"{expected.__name__} made by this transformation's init, got "
+                        f"{type(state).__name__}.")
+    if params is None:
+        raise ValueError(
+            f"low_precision_params({method!r}).update needs the parameters: call "
+            "tx.update(grads, opt_state, params), since each update is computed from the "
+            "weight it is applied to.")
+
+
+def _low_precision_state(opt_state: Any) -> LowPrecisionState:
+    kinds = (KahanState, StochasticRoundingState, SplitState)
+    is_state: Callable[[Any], bool] = lambda x: isinstance(x, kinds)  # noqa: E731
+    found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_state) if is_state(x)]
+    if len(found) != 1:
+        raise ValueError(
+            f"master_params: the optimizer state holds {len(found)} states of "
+            "low_precision_params; pass the state of an optimizer that contains exactly one.")
+    state: LowPrecisionState = found[0]
+    return state

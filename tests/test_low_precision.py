@@ -1,0 +1,579 @@
+"""bfloat16 parameters and optimizer states: low_precision_params, cast_state, master_params."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_policy
+
+METHODS = ["kahan", "stochastic", "split"]
+BF16 = jnp.bfloat16
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples")
+
+
+def bits(x):
+    x = np.asarray(x)
+    return x.view(f"uint{8 * x.dtype.itemsize}")
+
+
+def assert_bitwise_equal(a, b):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_array_equal(bits(x), bits(y))
+
+
+def ulp(x, dtype=BF16):
+    """The spacing of ``dtype`` at ``x`` (away from zero)."""
+    x = jnp.asarray(x).astype(dtype)
+    up = jnp.nextafter(x, jnp.asarray(jnp.inf, dtype))
+    return (up.astype(jnp.float32) - x.astype(jnp.float32))
+
+
+def step(tx, params, grads, state):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+
+# --------------------------------------------------------------------------- #
+# Exactness.
+# --------------------------------------------------------------------------- #
+
+def _load_digits_example():
+    spec = importlib.util.spec_from_file_location(
+        "_example_train_digits", os.path.join(EXAMPLES, "train_digits.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # flax modules are dataclasses: they look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _high_half(x):
+    """float32 -> its high 16 bits, as float32 (the weight "split" shows the model)."""
+    return jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32)
+
+
+def test_split_reproduces_float32_master_training_bit_for_bit():
+    """200 steps of the digits CNN: split's rebuilt float32 weights equal float32 master weights.
+
+    The reference keeps float32 weights and float32 AdamW and runs the model
+    (bfloat16 compute) on the weights' high halves, the weights "split" hands
+    the model; its gradient is the model's, passed straight through.
+    """
+    pytest.importorskip("flax")
+    pytest.importorskip("sklearn")
+    digits = _load_digits_example()
+    x_train, _, y_train, _ = digits.load_data()
+    policy = jmp_policy.Policy("params=bfloat16,compute=bfloat16")
+    model = digits.CNN(policy, width=8)
+    params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))["params"]
+    batches = np.random.RandomState(0).randint(0, len(x_train), (200, 32))
+    xs, ys = jnp.asarray(x_train[batches]), jnp.asarray(y_train[batches])
+
+    def loss(params, x, y):
+        logits = model.apply({"params": params}, x).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def reference_loss(master, x, y):
+        shown = jax.tree.map(lambda w: (w + jax.lax.stop_gradient(_high_half(w) - w)).astype(BF16),
+                             master)
+        return loss(shown, x, y)
+
+    inner = optax.adamw(3e-3, weight_decay=1e-2)
+    tx = jmp_policy.low_precision_params(inner, "split")
+
+    @jax.jit
+    def train(params):
+        def body(carry, batch):
+            (params, state), (master, reference) = carry
+            params, state = step(tx, params, jax.grad(loss)(params, *batch), state)
+            master, reference = step(inner, master, jax.grad(reference_loss)(master, *batch),
+                                     reference)
+            return ((params, state), (master, reference)), None
+
+        master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        init = ((params, tx.init(params)), (master, inner.init(master)))
+        return jax.lax.scan(body, init, (xs, ys))[0]
+
+    (params, state), (master, reference) = train(params)
+    assert_bitwise_equal(jmp_policy.master_params(params, state), master)
+    assert_bitwise_equal(state.inner_state, reference)
+    assert_bitwise_equal(params, jax.tree.map(lambda w: _high_half(w).astype(BF16), master))
+    assert not np.array_equal(master["Dense_0"]["kernel"], params["Dense_0"]["kernel"])
+
+
+def _sum_small_updates(method, steps=100_000, n=256):
+    """``steps`` updates, each below half a bfloat16 ulp of its weight; returns (weights, float32 sums)."""
+    rng = np.random.default_rng(0)
+    w0 = jnp.asarray(rng.choice([-1, 1], n) * 10.0 ** rng.uniform(-3, 3, n), BF16)
+    tx = (optax.identity() if method is None
+          else jmp_policy.low_precision_params(optax.identity(), method))
+
+    @jax.jit
+    def run(w0):
+        def body(k, carry):
+            w, state, total = carry
+            r = jax.random.uniform(jax.random.fold_in(jax.random.key(1), k), (n,), jnp.float32,
+                                   -1.0, 1.0)
+            # |u| <= 1.01 * 2**-10 |w0| < 2**-9 |w| <= half an ulp of w: a drift that
+            # doubles the weight, plus a random walk around it.
+            u = w0.astype(jnp.float32) * 2.0**-10 * (r + 0.01)
+            w, state = step(tx, w, u, state)
+            return w, state, total + u
+
+        return jax.lax.fori_loop(0, steps, body, (w0, tx.init(w0), w0.astype(jnp.float32)))
+
+    w, _, total = run(w0)
+    return w0, w, total
+
+
+def test_kahan_sums_updates_below_the_rounding_threshold():
+    w0, nearest, total = _sum_small_updates(None)
+    assert_bitwise_equal(nearest, w0)  # round to nearest never moves
+    assert np.all(np.abs(total / w0.astype(jnp.float32) - 1) > 0.2)  # float32 moved a lot
+    _, kahan, _ = _sum_small_updates("kahan")
+    np.testing.assert_array_less(np.abs(kahan.astype(jnp.float32) - total), 2 * ulp(total))
+
+
+@pytest.mark.parametrize("dtype", [BF16, jnp.float16])
+def test_stochastic_rounding_is_unbiased(dtype):
+    n = 2**18
+    base = jnp.asarray([1.0, -3.0, 0.0078125, 1000.0], dtype)
+    # Targets at fractions 1/2, 1/3 (inexact), 1/65536 and 1 - 2**-8 of an ulp above the base.
+    fractions = jnp.asarray([0.5, 1 / 3, 2.0**-16, 1 - 2.0**-8])
+    target = base.astype(jnp.float32) + fractions * ulp(base, dtype)
+    params = {f"w{i}": jnp.full(n, b, dtype) for i, b in enumerate(base)}
+    grads = {f"w{i}": jnp.full(n, t - b.astype(jnp.float32)) for i, (b, t) in
+             enumerate(zip(base, target))}
+    tx = jmp_policy.low_precision_params(optax.identity(), "stochastic", seed=3)
+    new, _ = jax.jit(step, static_argnums=0)(tx, params, grads, tx.init(params))
+    for i, (b, t, f) in enumerate(zip(base, target, fractions)):
+        values = new[f"w{i}"].astype(jnp.float32)
+        low, high = b.astype(jnp.float32), b.astype(jnp.float32) + ulp(b, dtype)
+        assert set(np.unique(values)) <= {float(low), float(high)}
+        # Each rounding is low + ulp * Bernoulli(f): the mean is within 5 standard
+        # deviations of the target (a false alarm once in 1.7 million runs).
+        sigma = ulp(b, dtype) * np.sqrt(f * (1 - f) / n)
+        assert abs(float(values.mean()) - float(t)) <= 5 * sigma + 1e-12
+
+
+def test_stochastic_rounding_is_reproducible_and_differs_across_steps():
+    params = {"w": jnp.ones(4096, BF16)}
+    grads = {"w": jnp.full(4096, 2.0**-9)}  # half an ulp: up or down at even odds
+
+    def two_steps(seed):
+        tx = jmp_policy.low_precision_params(optax.identity(), "stochastic", seed=seed)
+        state = tx.init(params)
+        first, state = step(tx, params, grads, state)
+        second, state = step(tx, params, grads, state)  # same inputs, next key
+        return first["w"], second["w"]
+
+    a1, a2 = two_steps(0)
+    b1, b2 = two_steps(0)
+    c1, _ = two_steps(1)
+    assert_bitwise_equal((a1, a2), (b1, b2))
+    assert not np.array_equal(a1, a2)
+    assert not np.array_equal(a1, c1)
+
+
+# Adversarial float32 values: signed zeros, subnormals, the smallest and largest
+# normals, powers of two and their neighbours, infinities and NaN.
+SPECIAL = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-40, 1.17549435e-38, -1.17549435e-38, 2.4e-38,
+                    1.0, -1.0, 1.0 + 2**-23, 1 - 2**-24, 2.0, 0.5, 3.0, 1e-20, 65504.0,
+                    3.3895314e38, -3.3895314e38, 3.4028235e38, np.inf, -np.inf, np.nan],
+                   np.float32)
+
+
+def _adversarial_pairs(n=300_000, seed=0):
+    """(weights in float32, float32 updates): random, cancelling, huge, tiny, special."""
+    rng = np.random.default_rng(seed)
+    w = (rng.choice([-1, 1], n) * 2.0 ** rng.uniform(-130, 128, n)).astype(np.float32)
+    w[: len(SPECIAL) ** 2] = np.repeat(SPECIAL, len(SPECIAL))
+    u = (rng.choice([-1, 1], n) * 2.0 ** rng.uniform(-140, 128, n)).astype(np.float32)
+    u[: len(SPECIAL) ** 2] = np.tile(SPECIAL, len(SPECIAL))
+    # Cancellations: u = -w plus a few float32 ulps of w, or scaled by 1 +- 2**-k.
+    k = rng.integers(1, 4, n)
+    cancel = k == 1
+    u[cancel] = -w[cancel] * (1 + rng.choice([-1, 1], cancel.sum()) * 2.0 ** -rng.uniform(8, 30, cancel.sum()))
+    near = k == 2
+    steps = rng.integers(-3000, 3000, near.sum()).astype(np.int32)
+    u[near] = ((-w[near]).view(np.int32) + steps).view(np.float32)
+    return w, u
+
+
+def _unreachable(p, new):
+    """Where apply_updates cannot move bfloat16 ``p`` to ``new`` with a float32 update on XLA:CPU.
+
+    A -0.0 from any other value; subnormal results and differences (flushed
+    to zero); a difference beyond float32's range; anything from inf or NaN.
+    """
+    p32, new32 = p.astype(np.float32), new.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        difference = new32.astype(np.float64) - p32.astype(np.float64)
+    negative_zero = (bits(new) == 0x8000) & (bits(p) != 0x8000)
+    subnormal = (np.abs(new32) < 2.0**-126) & (new32 != 0)
+    tiny = (np.abs(difference) < 2.0**-126) & (difference != 0)
+    return (negative_zero | subnormal | tiny | (np.abs(difference) > 3.4028235e38)
+            | ~np.isfinite(p32))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_apply_updates_lands_exactly_on_the_new_value(method, xla_cpu):
+    w, u = _adversarial_pairs()
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    if method == "split":
+        # Float32 master weights w, stored as a bfloat16 high half plus low bits.
+        tx = jmp_policy.low_precision_params(optax.identity(), "split")
+        p, low = _high_half(f32(w)).astype(BF16), (bits(w) & 0xFFFF).astype(np.uint16)
+        state = tx.init(p)._replace(low_bits=jnp.asarray(low))
+        new, state = jax.jit(step, static_argnums=0)(tx, p, f32(u), state)
+        master = jmp_policy.master_params(new, state)
+        expected = jax.jit(jnp.add)(f32(w), f32(u))  # what float32 master weights become
+        # Every value float32 weights reach, split reaches bit for bit (NaNs as NaNs)...
+        same = (bits(master) == bits(expected)) | (np.isnan(master) & np.isnan(expected))
+        # ...but -0.0, which an underflow flushed to zero can be and no addition can
+        # reach from another value: the rebuilt weight is +0.0.
+        signed_zero = (bits(expected) == 0x80000000) & (bits(master) == 0) & (bits(p) != 0x8000)
+        assert (same | signed_zero).all(), (w[~same][:5], u[~same][:5])
+        assert signed_zero.mean() < 0.05
+        return
+    p = np.asarray(jnp.asarray(w, BF16))
+    tx = jmp_policy.low_precision_params(optax.identity(), method, seed=0)
+    state = tx.init(jnp.asarray(p))
+    updates, state = jax.jit(tx.update)(f32(u), state, jnp.asarray(p))
+    assert updates.dtype == jnp.float32
+    new = np.asarray(optax.apply_updates(jnp.asarray(p), updates))
+    total = jax.jit(jnp.add)(f32(p), f32(u))  # the float32 result, before rounding
+    if method == "kahan":
+        expected = np.asarray(total.astype(BF16))
+        # What rounding took away is kept, measured against where the weight landed.
+        kept = np.asarray(state.compensation).astype(np.float32)
+        finite = np.isfinite(new.astype(np.float32))
+        np.testing.assert_array_equal(
+            kept[finite], np.asarray(
+                (total - jnp.asarray(new).astype(jnp.float32)).astype(BF16), np.float32)[finite])
+    else:
+        down = np.asarray(total.astype(BF16))
+        up = np.asarray(jnp.nextafter(jnp.asarray(down), jnp.asarray(np.where(
+            total > down.astype(np.float32), np.inf, -np.inf), BF16)))
+        expected = np.where(bits(new) == bits(up), up, down)  # either neighbour is right
+    same = (bits(new) == bits(expected)) | (np.isnan(new) & np.isnan(expected))
+    missed = ~same
+    assert not np.any(missed & ~_unreachable(p, expected)), (p[missed][:5], expected[missed][:5])
+    assert missed.mean() < 0.05  # the unreachable cases are the adversarial corner only
+
+
+def test_split_keeps_every_float32_bit_pattern():
+    """Rebuilt weights equal the float32 weights for all 2**32 values' high and low halves."""
+    everything = np.arange(0, 2**32, 4099, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    tx = jmp_policy.low_precision_params(optax.identity(), "split")
+    # The high halves by their bits: a cast would make every NaN the same NaN.
+    p = jnp.asarray((bits(everything) >> 16).astype(np.uint16).view(BF16))
+    state = tx.init(p)._replace(low_bits=jnp.asarray((bits(everything) & 0xFFFF).astype(np.uint16)))
+    assert_bitwise_equal(jmp_policy.master_params(p, state), everything)
+
+
+# --------------------------------------------------------------------------- #
+# Optimizer state in bfloat16.
+# --------------------------------------------------------------------------- #
+
+def test_cast_state_stores_adams_moments_in_bfloat16_and_computes_in_float32():
+    params = {"w": jnp.linspace(-1, 1, 8), "b": jnp.zeros(())}
+    tx = jmp_policy.cast_state(optax.adam(1e-2), BF16, rounding="nearest")
+    state = tx.init(params)
+    grads = {"w": jnp.linspace(0.1, 1, 8), "b": jnp.ones(())}
+    updates, state = tx.update(grads, state, params)
+    adam_state = state.inner_state[0]
+    assert adam_state.mu["w"].dtype == BF16 and adam_state.nu["w"].dtype == BF16
+    assert adam_state.mu["b"].dtype == jnp.float32  # scalars stay
+    assert adam_state.count.dtype == jnp.int32
+    reference, _ = optax.adam(1e-2).update(grads, optax.adam(1e-2).init(params), params)
+    chex.assert_trees_all_close(updates, reference, rtol=1e-6)  # the first step is exact
+
+
+def test_stochastic_rounding_keeps_adams_second_moment_decaying():
+    """With b2=0.999, nu shrinks 0.1% a step: below bfloat16's precision when rounded to nearest."""
+    params = jnp.zeros(2**16)
+    steps = 300
+
+    def final_nu(rounding):
+        tx = jmp_policy.cast_state(optax.scale_by_adam(b2=0.999), BF16, rounding=rounding)
+        state = tx.init(params)
+        _, state = tx.update(jnp.ones_like(params), state)
+        nu0 = state.inner_state.nu.astype(jnp.float32)
+        body = lambda _, s: tx.update(jnp.zeros_like(params), s)[1]  # noqa: E731
+        state = jax.jit(lambda s: jax.lax.fori_loop(0, steps, body, s))(state)
+        return nu0, state.inner_state.nu.astype(jnp.float32)
+
+    nu0, nearest = final_nu("nearest")
+    np.testing.assert_array_equal(nearest, nu0)  # stuck
+    _, stochastic = final_nu("stochastic")
+    expected = float(nu0[0]) * 0.999**steps
+    assert abs(float(stochastic.mean()) / expected - 1) < 0.005
+
+
+# --------------------------------------------------------------------------- #
+# Composition.
+# --------------------------------------------------------------------------- #
+
+def _tiny_problem():
+    params = {"w": jnp.linspace(-2, 2, 24, dtype=BF16).reshape(4, 6), "b": jnp.zeros(6, BF16),
+              "scale": jnp.ones(6, jnp.float32)}  # float32 leaves pass through
+    grads = lambda k: jax.tree.map(  # noqa: E731
+        lambda p: jax.random.normal(jax.random.fold_in(jax.random.key(k), p.size), p.shape), params)
+    return params, grads
+
+
+def _optimizer(method, inner=None):
+    inner = inner or jmp_policy.cast_state(optax.adamw(1e-3), BF16, seed=5)
+    return jmp_policy.low_precision_params(inner, method, seed=7)
+
+
+def _per_method(wrap=lambda tx: tx):
+    return {method: wrap(_optimizer(method)) for method in METHODS}
+
+
+def test_a_skipped_step_leaves_weights_buffers_keys_and_moments_bit_for_bit():
+    params, grads = _tiny_problem()
+    txs = _per_method(lambda tx: jmp_policy.loss_scaling(tx, "dynamic"))
+    bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan), grads(1))
+
+    @jax.jit
+    def run(params):
+        out = {}
+        for method, tx in txs.items():
+            before, state = step(tx, params, grads(0), tx.init(params))
+            out[method] = (before, state, step(tx, before, bad, state), step(tx, before, grads(1), state))
+        return out
+
+    for method, (before, state, (after, skipped), (moved, _)) in run(params).items():
+        assert not bool(skipped.grads_finite), method
+        assert_bitwise_equal((after, skipped.inner_state), (before, state.inner_state))
+        assert not np.array_equal(moved["w"], before["w"]), method
+
+
+@pytest.mark.parametrize("wrapper", [jmp_policy.low_precision_params, jmp_policy.cast_state])
+def test_loss_scaling_inside_is_refused(wrapper):
+    tx = wrapper(jmp_policy.loss_scaling(optax.adam(1e-3)))
+    with pytest.raises(ValueError, match=r"Put loss_scaling outside"):
+        tx.init({"w": jnp.ones(2, BF16)})
+
+
+def test_multisteps_of_two_equals_one_step_on_the_mean_gradient():
+    params, grads = _tiny_problem()
+    accumulated = _per_method(lambda tx: optax.MultiSteps(tx, every_k_schedule=2))
+    single = _per_method()
+    # The mean as MultiSteps computes it (Welford's update).
+    mean = jax.tree.map(lambda a, b: a + (b - a) / 2, grads(0), grads(1))
+    # States built outside the step, as in a train loop, so that XLA folds no
+    # constant of one program that it computes at run time in the other.
+    states = jax.jit(lambda p: {m: (accumulated[m].init(p), single[m].init(p)) for m in METHODS})(
+        params)
+
+    @jax.jit
+    def run(params, states):
+        out = {}
+        for method, (state, single_state) in states.items():
+            tx = accumulated[method]
+            mid, state = step(tx, params, grads(0), state)
+            new, state = step(tx, mid, grads(1), state)
+            expected, expected_state = step(single[method], params, mean, single_state)
+            out[method] = (mid, (new, jmp_policy.master_params(new, state)),
+                           (expected, jmp_policy.master_params(expected, expected_state)))
+        return out
+
+    for method, (mid, got, expected) in run(params, states).items():
+        assert_bitwise_equal(mid, params)  # the first mini-step changes nothing
+        assert_bitwise_equal(got, expected)
+
+
+def test_chain_clips_before_the_low_precision_step():
+    params, grads = _tiny_problem()
+    clipped = jmp_policy.low_precision_params(
+        optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(1e-2)), "split")
+    outer = optax.chain(optax.clip_by_global_norm(0.1),
+                        jmp_policy.low_precision_params(optax.sgd(1e-2), "split"))
+
+    @jax.jit
+    def run(params):
+        return [jmp_policy.master_params(*step(tx, params, grads(0), tx.init(params)))
+                for tx in (clipped, outer)]
+
+    assert_bitwise_equal(*run(params))
+
+
+def test_orbax_checkpoint_resumes_bit_identically(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    params, grads = _tiny_problem()
+    txs = _per_method(lambda tx: jmp_policy.loss_scaling(tx, None))
+
+    @jax.jit
+    def train(states, k):
+        return {m: step(tx, states[m][0], grads(k), states[m][1]) for m, tx in txs.items()}
+
+    state = {m: (params, tx.init(params)) for m, tx in txs.items()}
+    for k in range(3):
+        state = train(state, k)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", state)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "ckpt", jax.eval_shape(lambda: state))
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(state)
+    for k in range(3, 6):
+        state, restored = train(state, k), train(restored, k)
+    assert_bitwise_equal(restored, state)
+
+
+_SHARDED = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jmp_policy
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    spec = {"w": P("data", "model"), "b": P("model"), "scale": P()}
+    params = {"w": jnp.linspace(-2, 2, 64 * 32, dtype=jnp.bfloat16).reshape(64, 32),
+              "b": jnp.zeros(32, jnp.bfloat16), "scale": jnp.ones(32)}
+    grads = jax.tree.map(lambda p: jnp.cos(jnp.arange(p.size, dtype=jnp.float32)).reshape(p.shape),
+                         params)
+    txs = {method: jmp_policy.low_precision_params(
+               jmp_policy.cast_state(optax.adam(1e-3), jnp.bfloat16), method)
+           for method in ("kahan", "stochastic", "split")}
+
+    def init(params):
+        return {method: tx.init(params) for method, tx in txs.items()}
+
+    def train(params, states, grads):
+        # Steps after the first: states are arguments, as in a train loop (not
+        # constants XLA could fold), so that both programs compute alike.
+        out = {}
+        for method, tx in txs.items():
+            updates, new_state = tx.update(grads, states[method], params)
+            out[method] = (states[method], optax.apply_updates(params, updates), new_state)
+        return out
+
+    single = jax.jit(train)(params, jax.jit(init)(params), grads)
+    put = lambda tree: jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree,
+                                    spec)
+    with jax.set_mesh(mesh):
+        sharded = jax.jit(train)(put(params), jax.jit(init)(put(params)), put(grads))
+
+    like = lambda tree: all(
+        x.sharding.is_equivalent_to(NamedSharding(mesh, spec[name]), x.ndim)
+        for name, x in tree.items() if hasattr(x, "sharding"))
+    facts = {}
+    for method, (state, new_params, new_state) in sharded.items():
+        buffers = {"kahan": lambda s: s.compensation, "split": lambda s: s.low_bits,
+                   "stochastic": lambda s: {}}[method]
+        facts[method] = {
+            "buffers_like_params": like(buffers(state)) and like(buffers(new_state)),
+            "moments_like_params": like(new_state.inner_state.inner_state[0].mu),
+            "params_keep_sharding": like(new_params),
+            "same_as_one_device": all(
+                np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in
+                zip(jax.tree.leaves(sharded[method]), jax.tree.leaves(single[method]))),
+        }
+    json.dump(facts, open(sys.argv[1], "w"))
+""")
+
+
+def test_buffers_are_sharded_like_their_parameters(tmp_path):
+    script, out = tmp_path / "sharded.py", tmp_path / "facts.json"
+    script.write_text(_SHARDED)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(EXAMPLES, os.pardir),
+                                         env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(script), str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    facts = json.loads(out.read_text())
+    for method in METHODS:
+        assert facts[method] == {"buffers_like_params": True, "moments_like_params": True,
+                                 "params_keep_sharding": True, "same_as_one_device": True}, method
+
+
+class TestUpdateWithAndWithoutJit(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_kahan_update_gives_float32_updates_and_narrow_buffers(self):
+        params, grads = _tiny_problem()
+        tx = _optimizer("kahan")
+        update = self.variant(tx.update)
+        updates, state = update(grads(0), tx.init(params), params)
+        chex.assert_trees_all_equal_dtypes(
+            updates, {"w": jnp.zeros(1), "b": jnp.zeros(1), "scale": jnp.zeros(1)})
+        chex.assert_trees_all_equal_shapes(updates, params)
+        chex.assert_trees_all_equal_dtypes(state.compensation["w"], params["w"])
+        assert isinstance(state.compensation["scale"], optax.MaskedNode)
+        new = optax.apply_updates(params, updates)
+        chex.assert_trees_all_equal_dtypes(new, params)
+        # The compensated weights move as float32 weights under AdamW would, to the
+        # bfloat16 rounding of the compensation.
+        wide = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        adamw = optax.adamw(1e-3)
+        reference = optax.apply_updates(wide, adamw.update(grads(0), adamw.init(wide), wide)[0])
+        chex.assert_trees_all_close(jmp_policy.master_params(new, state), reference, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- #
+# Bad input.
+# --------------------------------------------------------------------------- #
+
+def test_a_misspelt_method_names_the_choices():
+    with pytest.raises(ValueError, match=r"'kahn'.*did you mean 'kahan'"):
+        jmp_policy.low_precision_params(optax.sgd(1.0), "kahn")
+    with pytest.raises(ValueError, match=r"rounding must be one of 'stochastic', 'nearest'"):
+        jmp_policy.cast_state(optax.sgd(1.0), BF16, rounding="round")
+    with pytest.raises(ValueError, match=r"bfloat16 or float16.*got float32"):
+        jmp_policy.cast_state(optax.sgd(1.0), jnp.float32)
+    with pytest.raises(TypeError, match=r"seed must be an int or a PRNG key"):
+        jmp_policy.low_precision_params(optax.sgd(1.0), "stochastic", seed=0.5)
+
+
+def test_update_needs_params_and_its_own_state():
+    tx = jmp_policy.low_precision_params(optax.sgd(1.0), "kahan")
+    params = {"w": jnp.ones(2, BF16)}
+    with pytest.raises(ValueError, match=r"needs the parameters.*tx.update\(grads, opt_state, params\)"):
+        tx.update(params, tx.init(params))
+    other = jmp_policy.low_precision_params(optax.sgd(1.0), "split").init(params)
+    with pytest.raises(TypeError, match=r"expected the KahanState.*got SplitState"):
+        tx.update(params, other, params)
+
+
+def test_parameters_must_be_floating_and_split_needs_bfloat16():
+    tx = jmp_policy.low_precision_params(optax.sgd(1.0), "split")
+    with pytest.raises(TypeError, match=r"at \['step'\] has dtype int32.*must be floating"):
+        tx.init({"w": jnp.ones(2, BF16), "step": jnp.zeros((), jnp.int32)})
+    with pytest.raises(TypeError, match=r"'split' needs bfloat16.*at \['w'\] is float16"):
+        tx.init({"w": jnp.ones(2, jnp.float16)})
+
+
+def test_float32_parameters_alone_warn_that_nothing_changes():
+    tx = jmp_policy.low_precision_params(optax.sgd(1.0), "kahan")
+    with pytest.warns(UserWarning, match=r"no parameter is bfloat16 or float16.*changes nothing"):
+        tx.init({"w": jnp.ones(2)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tx.init({"w": jnp.ones(2), "v": jnp.ones(2, BF16)})  # a mixed tree is fine
+
+
+def test_master_params_needs_exactly_one_state():
+    params = {"w": jnp.ones(2, BF16)}
+    with pytest.raises(ValueError, match=r"holds 0 states of low_precision_params"):
+        jmp_policy.master_params(params, optax.adam(1.0).init(params))
+    nested = jmp_policy.loss_scaling(_optimizer("split"))
+    master = jmp_policy.master_params(params, nested.init(params))
+    assert_bitwise_equal(master, {"w": jnp.ones(2, jnp.float32)})
