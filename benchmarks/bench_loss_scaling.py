@@ -448,7 +448,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.add_argument(f"--lm-{field.name}", type=int, default=field.default)
     ap.add_argument("--mode", choices=["both", "donated", "not-donated"], default=None,
                     help="donation of params and state (default: both; donated with --quick)")
-    harness.add_common_arguments(ap, rounds=15, iters=5, compile_rounds=5)
+    harness.add_common_arguments(ap, rounds=15, iters=5, compile_rounds=3)
     args = ap.parse_args(argv)
     args.mode = args.mode or ("donated" if args.quick else "both")
     if args.quick:

@@ -156,6 +156,7 @@ PROFILE_COLUMNS = [
     harness.Column("device_ops", "device ops / step", ""),
     harness.Column("device_idle_s", "device idle / step", "s"),
     harness.Column("memcpy_ops", "copies+memsets / step", ""),
+    harness.Column("d2h_copies", "device-to-host copies / step", ""),
     harness.Column("host_wait_s", "host waits / step", "s"),
 ]
 FLAG_COLUMNS = [
@@ -290,6 +291,7 @@ DERIVED_LINES = ("XLA Modules", "XLA Ops", "Steps", "Source code", "Framework Op
                  "Framework Name Scope", "XLA TraceMe", "TensorFlow Name Scope",
                  "TensorFlow Ops", "Launch Stats")
 COPY = re.compile(r"(?i)memcpy|memset|copy")
+D2H = re.compile(r"(?i)d2h|dtoh|device ?to ?host")
 WAIT = re.compile(r"(?i)synchroniz|wait|memcpy|dtoh|d2h|conditional|block")
 
 
@@ -347,7 +349,7 @@ def summarize_trace(path: str, steps: int, top: int = 15) -> Dict[str, Any]:
     by_name: Dict[str, List[float]] = collections.defaultdict(list)
     by_hlo: Dict[str, List[float]] = collections.defaultdict(list)
     intervals = []
-    copies = 0
+    copies = d2h = 0
     for _, e in ops:
         seconds = e.duration_ns * 1e-9
         by_name[e.name].append(seconds)
@@ -356,6 +358,7 @@ def summarize_trace(path: str, steps: int, top: int = 15) -> Dict[str, Any]:
             by_hlo[str(hlo)].append(seconds)
         intervals.append((e.start_ns * 1e-9, e.start_ns * 1e-9 + seconds))
         copies += bool(COPY.search(e.name))
+        d2h += bool(D2H.search(e.name))
     busy = _union(intervals)
     span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) if intervals else 0.0
     waits: Dict[str, List[float]] = collections.defaultdict(list)
@@ -379,6 +382,7 @@ def summarize_trace(path: str, steps: int, top: int = 15) -> Dict[str, Any]:
             "device_idle_s": (span - busy) / steps,
             "device_ops": len(ops) / steps,
             "memcpy_ops": copies / steps,
+            "d2h_copies": d2h / steps,
             "host_wait_s": sum(sum(v) for v in waits.values()) / steps,
             "module_s": (sum(modules) / len(modules)) if modules else None,
         },

@@ -23,8 +23,9 @@ What it measures (`measure`):
 
 * compile time: XLA's compile of a fresh lowering (JAX's caches cleared
   first), median of ``compile_rounds`` rounds that interleave the cases, so
-  that a shared machine's load hits every case alike; lowering (trace +
-  StableHLO) time beside it;
+  that a shared machine's load hits every case alike, after a first pass
+  that is not timed (one-off start-up costs land in the first case
+  compiled); lowering (trace + StableHLO) time beside it;
 * XLA figures (`xla_figures`, deterministic): ``cost_analysis()`` bytes
   accessed and flops; in the optimized HLO, every instruction (fusion bodies
   included), the top-level ops (what a step launches), fusions,
@@ -382,7 +383,9 @@ def measure(cases: Sequence[Case], *, compile_rounds: int = 1, rounds: int = 10,
 
     A row is ``{"name", "note", "figures", "samples"}``: `xla_figures`, the
     case's extra figures, ``lower_s`` and ``compile_s`` (medians of
-    ``compile_rounds`` interleaved fresh compiles), ``wall_s`` and
+    ``compile_rounds`` interleaved fresh compiles after a first pass that
+    compiles every case for its figures; with ``compile_rounds=1``, that
+    first pass's times), ``wall_s`` and
     ``enqueue_s`` (medians of ``rounds`` interleaved rounds of ``iters``
     calls; absent with ``wall=False``). A case that fails to compile, to
     run or its check goes to ``failed`` with the error, and the others go on.
@@ -405,7 +408,10 @@ def measure(cases: Sequence[Case], *, compile_rounds: int = 1, rounds: int = 10,
         rows[case.name] = {"name": case.name, "note": case.note, "figures": figures,
                            "samples": {"lower_s": [b.lower_s], "compile_s": [b.compile_s]}}
         progress(f"  compiled {case.name} ({b.compile_s:.2f} s)")
-    for _ in range(compile_rounds - 1):
+    if compile_rounds > 1:  # the first pass (for the figures) is then left out of the times
+        for row in rows.values():
+            row["samples"]["lower_s"], row["samples"]["compile_s"] = [], []
+    for _ in range(compile_rounds if compile_rounds > 1 else 0):
         for name, (case, _) in built.items():
             b = build(case)
             rows[name]["samples"]["lower_s"].append(b.lower_s)
