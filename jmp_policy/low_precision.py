@@ -164,7 +164,7 @@ def low_precision_params(
     (dtype(bfloat16), True)
     """
     method = _check_choice("low_precision_params", "method", method, METHODS)
-    key = _key_data(seed, _PARAMS_STREAM, "low_precision_params")
+    key, impl = _key_data(seed, _PARAMS_STREAM, "low_precision_params")
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> LowPrecisionState:
@@ -197,7 +197,7 @@ def low_precision_params(
         if isinstance(state, SplitState):
             updates, low_bits = _per_leaf(_split_step, handled, seen, updates, params)
             return updates, SplitState(inner_state, low_bits)
-        next_key, step_key = _split_key(state.key)
+        next_key, step_key = _split_key(state.key, impl)
         keys = _leaf_keys(step_key, params)
         updates, _ = _per_leaf(_stochastic_step, handled, params, updates, keys)
         return updates, StochasticRoundingState(inner_state, next_key)
@@ -243,7 +243,8 @@ def cast_state(
     """
     dtype = _narrow_dtype(dtype)
     rounding = _check_choice("cast_state", "rounding", rounding, ROUNDINGS)
-    key = _key_data(seed, _STATE_STREAM, "cast_state") if rounding == "stochastic" else None
+    data, impl = _key_data(seed, _STATE_STREAM, "cast_state")
+    key = data if rounding == "stochastic" else None
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> CastState:
@@ -264,7 +265,7 @@ def cast_state(
                                             **extra_args)
         if state.key is None:
             return updates, CastState(_narrowed(inner_state, dtype, None), None)
-        next_key, step_key = _split_key(state.key)
+        next_key, step_key = _split_key(state.key, impl)
         return updates, CastState(_narrowed(inner_state, dtype, step_key), next_key)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -512,7 +513,12 @@ def _widened_state(state: Any) -> Any:
 # Keys and argument checks.
 # --------------------------------------------------------------------------- #
 
-def _key_data(seed: Seed, stream: int, name: str) -> jax.Array:
+def _key_data(seed: Seed, stream: int, name: str) -> Tuple[jax.Array, Any]:
+    """The raw data of the first key of ``stream`` from ``seed``, and the key's implementation.
+
+    The state holds raw uint32 data, which every checkpointer and tree utility
+    handles; the implementation (threefry, rbg...) is kept to rewrap it.
+    """
     if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
         key = jax.random.key(int(seed))
     elif isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
@@ -522,12 +528,13 @@ def _key_data(seed: Seed, stream: int, name: str) -> jax.Array:
     else:
         raise TypeError(f"{name}: seed must be an int or a PRNG key (jax.random.key(0)), got "
                         f"{type(seed).__name__}.")
-    return jax.random.key_data(jax.random.fold_in(key, stream))
+    key = jax.random.fold_in(key, stream)
+    return jax.random.key_data(key), jax.random.key_impl(key)
 
 
-def _split_key(data: jax.Array) -> Tuple[jax.Array, jax.Array]:
+def _split_key(data: jax.Array, impl: Any) -> Tuple[jax.Array, jax.Array]:
     """(the next step's key data, this step's key)."""
-    next_key, step_key = jax.random.split(jax.random.wrap_key_data(data))
+    next_key, step_key = jax.random.split(jax.random.wrap_key_data(data, impl=impl))
     return jax.random.key_data(next_key), step_key
 
 

@@ -79,7 +79,12 @@ def test_split_reproduces_float32_master_training_bit_for_bit():
     x_train, _, y_train, _ = digits.load_data()
     policy = jmp_policy.Policy("params=bfloat16,compute=bfloat16")
     model = digits.CNN(policy, width=8)
-    params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))["params"]
+    # Random weights drawn with NumPy: compiling Flax's initializers takes longer than training.
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8, 8, 1)))["params"]
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: jnp.asarray(
+        rng.normal(0, np.prod(s.shape[:-1]) ** -0.5 if len(s.shape) > 1 else 0.01, s.shape), BF16),
+        shapes)
     batches = np.random.RandomState(0).randint(0, len(x_train), (200, 32))
     xs, ys = jnp.asarray(x_train[batches]), jnp.asarray(y_train[batches])
 
@@ -106,13 +111,15 @@ def test_split_reproduces_float32_master_training_bit_for_bit():
 
         master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
         init = ((params, tx.init(params)), (master, inner.init(master)))
-        return jax.lax.scan(body, init, (xs, ys))[0]
+        (params, state), (master, reference) = jax.lax.scan(body, init, (xs, ys))[0]
+        high_halves = jax.tree.map(lambda w: _high_half(w).astype(BF16), master)
+        return (params, high_halves), (state.inner_state, reference), (
+            jmp_policy.master_params(params, state), master)
 
-    (params, state), (master, reference) = train(params)
-    assert_bitwise_equal(jmp_policy.master_params(params, state), master)
-    assert_bitwise_equal(state.inner_state, reference)
-    assert_bitwise_equal(params, jax.tree.map(lambda w: _high_half(w).astype(BF16), master))
-    assert not np.array_equal(master["Dense_0"]["kernel"], params["Dense_0"]["kernel"])
+    weights, moments, masters = train(params)
+    for split_run, reference_run in (weights, moments, masters):
+        assert_bitwise_equal(split_run, reference_run)
+    assert not np.array_equal(masters[0]["Dense_0"]["kernel"], weights[0]["Dense_0"]["kernel"])
 
 
 def _sum_small_updates(method, steps=100_000, n=256):
@@ -175,10 +182,17 @@ def test_stochastic_rounding_is_reproducible_and_differs_across_steps():
     grads = {"w": jnp.full(4096, 2.0**-9)}  # half an ulp: up or down at even odds
 
     def two_steps(seed):
-        tx = jmp_policy.low_precision_params(optax.identity(), "stochastic", seed=seed)
-        state = tx.init(params)
+        # The seed sets the key in the state: one compiled update serves every seed.
+        state = jmp_policy.low_precision_params(optax.identity(), "stochastic", seed=seed).init(
+            params)
+        return run(params, state)
+
+    tx = jmp_policy.low_precision_params(optax.identity(), "stochastic")
+
+    @jax.jit
+    def run(params, state):
         first, state = step(tx, params, grads, state)
-        second, state = step(tx, params, grads, state)  # same inputs, next key
+        second, _ = step(tx, params, grads, state)  # same inputs, next key
         return first["w"], second["w"]
 
     a1, a2 = two_steps(0)
@@ -306,7 +320,7 @@ def test_cast_state_stores_adams_moments_in_bfloat16_and_computes_in_float32():
 
 def test_stochastic_rounding_keeps_adams_second_moment_decaying():
     """With b2=0.999, nu shrinks 0.1% a step: below bfloat16's precision when rounded to nearest."""
-    params = jnp.zeros(2**16)
+    params = jnp.zeros(2**14)
     steps = 300
 
     def final_nu(rounding):
@@ -330,20 +344,28 @@ def test_stochastic_rounding_keeps_adams_second_moment_decaying():
 # --------------------------------------------------------------------------- #
 
 def _tiny_problem():
-    params = {"w": jnp.linspace(-2, 2, 24, dtype=BF16).reshape(4, 6), "b": jnp.zeros(6, BF16),
-              "scale": jnp.ones(6, jnp.float32)}  # float32 leaves pass through
-    grads = lambda k: jax.tree.map(  # noqa: E731
-        lambda p: jax.random.normal(jax.random.fold_in(jax.random.key(k), p.size), p.shape), params)
+    # A weight of 0.0 among bfloat16 weights, and a float32 leaf, which passes through.
+    params = {"w": jnp.linspace(-2, 2, 25, dtype=BF16)[:24].reshape(4, 6), "scale": jnp.ones(6)}
+
+    def grads(k):  # cheap to compile, unlike jax.random.normal
+        return jax.tree.map(lambda p: jnp.cos(
+            1.7 * jnp.arange(p.size, dtype=jnp.float32) + k).reshape(p.shape), params)
+
     return params, grads
 
 
-def _optimizer(method, inner=None):
-    inner = inner or jmp_policy.cast_state(optax.adamw(1e-3), BF16, seed=5)
-    return jmp_policy.low_precision_params(inner, method, seed=7)
+def _optimizer(method, rounding="stochastic"):
+    """AdamW with bfloat16 moments (``rounding=None``: float32 moments) for bfloat16 weights."""
+    # RBG keys: XLA:CPU compiles their bits far faster than threefry's.
+    inner = optax.adamw(1e-3)
+    if rounding is not None:
+        inner = jmp_policy.cast_state(inner, BF16, rounding=rounding,
+                                      seed=jax.random.key(5, impl="rbg"))
+    return jmp_policy.low_precision_params(inner, method, seed=jax.random.key(7, impl="rbg"))
 
 
-def _per_method(wrap=lambda tx: tx):
-    return {method: wrap(_optimizer(method)) for method in METHODS}
+def _per_method(wrap=lambda tx: tx, rounding="stochastic"):
+    return {method: wrap(_optimizer(method, rounding)) for method in METHODS}
 
 
 def test_a_skipped_step_leaves_weights_buffers_keys_and_moments_bit_for_bit():
@@ -356,13 +378,13 @@ def test_a_skipped_step_leaves_weights_buffers_keys_and_moments_bit_for_bit():
         out = {}
         for method, tx in txs.items():
             before, state = step(tx, params, grads(0), tx.init(params))
-            out[method] = (before, state, step(tx, before, bad, state), step(tx, before, grads(1), state))
+            out[method] = (before, state, step(tx, before, bad, state))
         return out
 
-    for method, (before, state, (after, skipped), (moved, _)) in run(params).items():
+    for method, (before, state, (after, skipped)) in run(params).items():
         assert not bool(skipped.grads_finite), method
         assert_bitwise_equal((after, skipped.inner_state), (before, state.inner_state))
-        assert not np.array_equal(moved["w"], before["w"]), method
+        assert not np.array_equal(before["w"], params["w"]), method  # a finite step moves
 
 
 @pytest.mark.parametrize("wrapper", [jmp_policy.low_precision_params, jmp_policy.cast_state])
@@ -374,8 +396,8 @@ def test_loss_scaling_inside_is_refused(wrapper):
 
 def test_multisteps_of_two_equals_one_step_on_the_mean_gradient():
     params, grads = _tiny_problem()
-    accumulated = _per_method(lambda tx: optax.MultiSteps(tx, every_k_schedule=2))
-    single = _per_method()
+    accumulated = _per_method(lambda tx: optax.MultiSteps(tx, every_k_schedule=2), rounding=None)
+    single = _per_method(rounding=None)
     # The mean as MultiSteps computes it (Welford's update).
     mean = jax.tree.map(lambda a, b: a + (b - a) / 2, grads(0), grads(1))
     # States built outside the step, as in a train loop, so that XLA folds no
@@ -424,7 +446,8 @@ def test_orbax_checkpoint_resumes_bit_identically(tmp_path):
     def train(states, k):
         return {m: step(tx, states[m][0], grads(k), states[m][1]) for m, tx in txs.items()}
 
-    state = {m: (params, tx.init(params)) for m, tx in txs.items()}
+    # Committed to the device, as restored arrays are, so that one compiled step serves both.
+    state = jax.device_put({m: (params, tx.init(params)) for m, tx in txs.items()}, jax.devices()[0])
     for k in range(3):
         state = train(state, k)
     checkpointer = ocp.StandardCheckpointer()
@@ -450,7 +473,7 @@ _SHARDED = textwrap.dedent("""
     grads = jax.tree.map(lambda p: jnp.cos(jnp.arange(p.size, dtype=jnp.float32)).reshape(p.shape),
                          params)
     txs = {method: jmp_policy.low_precision_params(
-               jmp_policy.cast_state(optax.adam(1e-3), jnp.bfloat16), method)
+               jmp_policy.cast_state(optax.adam(1e-3), jnp.bfloat16, rounding="nearest"), method)
            for method in ("kahan", "stochastic", "split")}
 
     def init(params):
@@ -510,11 +533,11 @@ class TestUpdateWithAndWithoutJit(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_kahan_update_gives_float32_updates_and_narrow_buffers(self):
         params, grads = _tiny_problem()
-        tx = _optimizer("kahan")
+        tx = _optimizer("kahan", rounding=None)
         update = self.variant(tx.update)
         updates, state = update(grads(0), tx.init(params), params)
         chex.assert_trees_all_equal_dtypes(
-            updates, {"w": jnp.zeros(1), "b": jnp.zeros(1), "scale": jnp.zeros(1)})
+            updates, {"w": jnp.zeros(1), "scale": jnp.zeros(1)})
         chex.assert_trees_all_equal_shapes(updates, params)
         chex.assert_trees_all_equal_dtypes(state.compensation["w"], params["w"])
         assert isinstance(state.compensation["scale"], optax.MaskedNode)
