@@ -126,9 +126,10 @@ SMOKE_LMS = {"lm16": dict(vocab=256, width=32, depth=1, heads=2, seq=16, batch=2
              "lm100": dict(vocab=256, width=64, depth=2, heads=4, seq=16, batch=2)}
 
 # XLA flag sets for the flags phase: name -> XLA_FLAGS ("default" sets nothing).
-# Command buffers are CUDA graphs; XLA's default captures fusions and library
-# calls but not conditionals, so a lax.cond splits the graph and its
-# predicate is copied to the host (ConditionalThunk).
+# Command buffers are CUDA graphs. XLA's default captures fusions and library
+# calls but not conditionals: a lax.cond splits the graph, and XLA's
+# ConditionalThunk copies the predicate to the host to pick the branch (one
+# candidate cost of issue 18).
 FLAG_SETS = {
     "default": "",
     "cmdbuf+cond": "--xla_gpu_enable_command_buffer=+CONDITIONAL",
