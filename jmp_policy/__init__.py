@@ -50,6 +50,7 @@ from jmp_policy.low_precision import (
     master_params,
 )
 from jmp_policy.autocast import Float8Recipe
+from jmp_policy.inspector import NumericsReport, inspect_numerics
 
 __version__ = "0.1.0"
 
@@ -62,6 +63,7 @@ __all__ = [
     "LossScale",
     "LossScalingState",
     "NoOpLossScale",
+    "NumericsReport",
     "Policy",
     "PolicyMap",
     "SplitState",
@@ -78,6 +80,7 @@ __all__ = [
     "get_policy",
     "global_policy",
     "half_dtype",
+    "inspect_numerics",
     "loss_scaling",
     "low_precision_params",
     "master_params",

@@ -1,0 +1,75 @@
+"""Draws a numerics report's dynamic ranges against the floating formats (needs matplotlib).
+
+Imported only by `NumericsReport.plot`, so that ``import jmp_policy`` never
+imports matplotlib.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import jax.numpy as jnp
+
+if TYPE_CHECKING:
+    from jmp_policy.inspector import ScopeRange
+
+FORMATS = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+_PHASE_COLORS = {"forward": "tab:blue", "backward": "tab:orange"}
+_FORMAT_COLOR = "0.45"
+
+
+def _figure_class() -> Any:
+    try:
+        from matplotlib.figure import Figure
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.partition(".")[0] != "matplotlib":
+            raise
+        raise ImportError(
+            "NumericsReport.plot needs matplotlib, which is not installed: pip install "
+            '"jmp_policy[examples]" (or matplotlib). The rest of the report works without it.'
+        ) from e
+    return Figure
+
+
+def _format_range(name: str) -> tuple[float, float, float]:
+    """(smallest subnormal, smallest normal, largest) magnitudes of a format."""
+    info = jnp.finfo(getattr(jnp, name))  # type: ignore[no-untyped-call]
+    return float(info.smallest_subnormal), float(info.tiny), float(info.max)
+
+
+def plot_ranges(ranges: Sequence[ScopeRange], path: str, title: str) -> None:
+    """Writes a horizontal bar per scope range, under a bar per format, to ``path``."""
+    Figure = _figure_class()
+    formats = [(name, *_format_range(name)) for name in FORMATS]
+    labels = [f"{r.label} ({r.phase})" for r in ranges]
+    n = len(formats) + len(ranges)
+    fig = Figure(figsize=(10, 1.6 + 0.28 * n))
+    ax = fig.add_subplot()
+    y = list(range(n))[::-1]
+    for row, (name, sub, tiny, top) in zip(y, formats):
+        ax.plot([sub, tiny], [row, row], color=_FORMAT_COLOR, lw=6, alpha=0.35,
+                solid_capstyle="butt")
+        ax.plot([tiny, top], [row, row], color=_FORMAT_COLOR, lw=6, solid_capstyle="butt")
+    for row, r in zip(y[len(formats):], ranges):
+        color = "tab:red" if r.overflow else _PHASE_COLORS[r.phase]
+        ax.plot([r.smallest, max(r.largest, r.smallest)], [row, row], color=color, lw=6,
+                solid_capstyle="butt")
+    _, f16_sub, f16_tiny, f16_max = formats[0]
+    for x in (f16_tiny, f16_max):
+        ax.axvline(x, color="0.3", ls=":", lw=1)
+    low = min([f16_sub] + [r.smallest for r in ranges]) / 100
+    high = max([f16_max] + [r.largest for r in ranges if r.largest > 0]) * 100
+    ax.set_xscale("log")
+    ax.set_xlim(low, high)
+    ax.set_yticks(y, [f"[{name}]" for name, *_ in formats] + labels, fontsize=8)
+    ax.set_ylim(-1, n)
+    ax.set_xlabel("magnitude (float32 evaluation; formats: normal range solid, "
+                  "subnormal light; dotted: float16's normal range)")
+    handles = [ax.plot([], [], color=c, lw=6)[0] for c in
+               (_PHASE_COLORS["forward"], _PHASE_COLORS["backward"], "tab:red")]
+    ax.legend(handles, ["forward", "backward", "overflows in low precision"], loc="lower right",
+              fontsize=8)
+    ax.set_title(f"Dynamic range per scope: {title}", fontsize=10)
+    ax.grid(axis="x", alpha=0.3, which="major")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,833 @@
+"""Statistics of every equation of a jaxpr under autocast against float32, in one program.
+
+The numerics inspector (``jmp_policy.inspect_numerics``) needs, for each
+equation of a function, how its low-precision result compares with float32.
+`Walk` evaluates a jaxpr in lockstep: every variable holds a *pair*, its value
+as autocast computes it and its value in a float32 evaluation, and every
+first-order equation is evaluated on both sides through autocast's own
+`eval_equation` (with the autocast context on the low side, a float32 one on
+the other), so it runs exactly as autocast runs it.
+
+Each low-precision result is also compared with its *local reference*: the
+same equation evaluated in float32 on the low side's inputs, widened. An
+overflow or a value flushed to zero is thus counted at the equation that
+produced it, not again at every equation downstream, whose inputs are already
+inf or zero. Equations whose result cannot differ from it (float32 results,
+data movement) skip it. The float32 side gives each result's range and, in
+the backward pass, the gradient magnitudes a loss scale must bring into range.
+
+Statistics stay traced values: one variadic reduction per equation computes
+them all, and they leave the program as its outputs (`pack`), so nothing goes
+to the host per equation. Higher-order primitives keep their rows: calls,
+``checkpoint`` and custom derivatives are evaluated in place; the rows of a
+``scan``, ``while_loop`` or ``cond`` body are outputs of the loop or branch,
+reduced over the iterations (one row per equation of the body, not one per
+iteration). `Registry` numbers rows by equation and name-scope path: a row is
+one equation at one call site.
+
+>>> import jax, jax.numpy as jnp, numpy as np
+>>> from jmp_policy.autocast._matmul import matmul
+>>> from jmp_policy.autocast._rules import parse_rules
+>>> closed = jax.make_jaxpr(lambda x: jnp.tanh(x @ x))(jnp.ones((2, 2)))
+>>> low = Context(np.dtype(jnp.float16), parse_rules(None), matmul)
+>>> ref = Context(np.dtype(jnp.float32), parse_rules(None), matmul)
+>>> registry = Registry()
+>>> sink = evaluate(registry, None, low, ref, closed, [jnp.full((2, 2), 7e4)])
+>>> [(row.primitive, row.dtype) for row in registry.rows]
+[('dot_general', 'float16'), ('tanh', 'float32')]
+>>> int(sink[0]["overflow"])    # 70000 is beyond float16's largest value, 65504
+4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Callable, Literal, Optional, Sequence
+
+import jax
+import jax.extend.core.primitives as P
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import source_info_util
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal as JaxprLiteral, Primitive, Var
+
+from jmp_policy._dtypes import is_floating_dtype
+from jmp_policy.autocast._fp8 import (
+    Float8Recipe, contracting_axes, eligible, operand_dtypes, quantization_counts)
+from jmp_policy.autocast._higher_order import _scan_sizes, _stable_carry
+from jmp_policy.autocast._interpreter import (
+    Context, Params, _Casts, eval_equation, eval_jaxpr, higher_order_names)
+from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, is_floating, join, represents
+from jmp_policy.autocast._matmul import matmul
+from jmp_policy.autocast._rules import AutocastWarning, scope_names
+
+Pair = tuple[Any, Any]
+"""A value in the low-precision evaluation and the same value in the float32 one."""
+
+Stats = dict[str, jax.Array]
+"""One row's statistics: named scalars (the gradient histogram aside), all traced."""
+
+Sink = dict[int, Stats]
+"""Statistics by row number; `HISTOGRAM` holds the gradient histogram."""
+
+HISTOGRAM = -1
+"""The sink entry holding the histogram of the backward pass's float32 magnitudes."""
+
+HISTOGRAM_BINS = 256
+"""Bins of the gradient histogram: a float32's biased exponent (bin ``e`` holds
+magnitudes in ``[2**(e - 127), 2**(e - 126))``; bin 0 the float32 subnormals)."""
+
+# How each statistic combines across iterations, branches and repeated call sites.
+# "scaled" sums are sums of squares relative to the "err_scale" of the same row.
+_REDUCTION: dict[str, str] = {
+    "size": "sum", "max_abs": "max", "subnormal": "sum", "overflow": "sum",
+    "nonzero": "sum", "underflow": "sum", "err_scale": "max", "err_sq": "scaled",
+    "ref_sq": "scaled", "fp8_saturated": "sum", "fp8_flushed": "sum",
+    "f32_min": "min", "f32_max": "max", "hist": "sum",
+}
+# The statistics of the float32 side; the others are of the low-precision side.
+_FLOAT32_SIDE = frozenset({"f32_min", "f32_max", "hist"})
+
+# Primitives whose results are values of their inputs, moved or selected: they can
+# neither overflow nor round, and add no new values to the gradient histogram.
+VALUE_PRESERVING = frozenset({
+    "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
+    "dynamic_slice", "dynamic_update_slice", "gather", "concatenate", "pad", "rev", "copy",
+    "copy_p", "select_n", "split", "neg", "abs", "max", "min", "reduce_max", "reduce_min",
+    "cummax", "cummin", "sort", "stop_gradient", "optimization_barrier",
+    "sharding_constraint", "device_put", "real", "imag", "conj",
+})
+
+# JAX names the recomputation of a `checkpoint` in the backward pass with this scope:
+# forward values computed again, not gradients.
+_REMAT_SCOPE = "rematted_computation"
+
+
+def display_scope(path: str) -> str:
+    """A name-stack path as users wrote it: ``/``-joined scope names, JAX's wrappers removed.
+
+    A transformation repeats the name of the scope it traced
+    (``transpose(jvp(block))/jvp(block)``): a name repeated next to a wrapped
+    one is shown once. JAX's own recomputation scope is dropped.
+
+    >>> display_scope("transpose(jvp(model))/jvp(model)/rematted_computation/mlp")
+    'model/mlp'
+    """
+    names: list[str] = []
+    wrapped_before = False
+    for part in path.split("/"):
+        name = "/".join(scope_names(part))
+        wrapped = name != part
+        if name and name != _REMAT_SCOPE and not (
+                names and names[-1] == name and (wrapped or wrapped_before)):
+            names.append(name)
+        wrapped_before = wrapped
+    return "/".join(names)
+
+
+def phase_of(path: str) -> Literal["forward", "backward"]:
+    """``"backward"`` for equations JAX's transposition wrote, recomputations aside."""
+    backward = "transpose(" in path and _REMAT_SCOPE not in path.split("/")
+    return "backward" if backward else "forward"
+
+
+# --- Rows ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RowInfo:
+    """What is known of a row when its equation is traced.
+
+    Attributes:
+      path: the name-stack path, with JAX's transformation names.
+      primitive: the primitive's name.
+      dtype: the dtype it ran in: a product's operand dtype, else its result's.
+      fp8: whether the product ran on float8 operands.
+    """
+
+    path: str
+    primitive: str
+    dtype: str
+    fp8: bool = False
+
+
+class Registry:
+    """Row numbers of (equation, name-scope path) pairs, in the order first met."""
+
+    def __init__(self) -> None:
+        self.rows: list[RowInfo] = []
+        self._numbers: dict[tuple[int, str], int] = {}
+        self._eqns: list[JaxprEqn] = []  # kept alive, so that their ids are not reused
+
+    def number(self, eqn: JaxprEqn, info: RowInfo) -> int:
+        key = (id(eqn), info.path)
+        found = self._numbers.get(key)
+        if found is not None:
+            return found
+        self._numbers[key] = len(self.rows)
+        self.rows.append(info)
+        self._eqns.append(eqn)
+        return len(self.rows) - 1
+
+
+# --- Combining statistics ------------------------------------------------------------------
+
+def _identity(name: str, shape: Any, dtype: Any) -> jax.Array:
+    # The only minimum is a bit pattern: inf's is above every finite magnitude's.
+    return jnp.full(shape, 0x7F800000 if _REDUCTION[name] == "min" else 0, dtype)
+
+
+def _rescale(scale: jax.Array, common: jax.Array) -> jax.Array:
+    """The factor taking sums of squares relative to ``scale`` to ``common`` (both bit
+    patterns of float32 magnitudes)."""
+    s, c = (lax.bitcast_convert_type(x, np.float32) for x in (scale, common))
+    ratio = jnp.where(c > 0, s / jnp.where(c > 0, c, 1), 0)
+    return ratio * ratio
+
+
+def combine(a: Stats, b: Stats) -> Stats:
+    """The statistics of two evaluations of one row, as if of one."""
+    common = jnp.maximum(a["err_scale"], b["err_scale"]) if "err_scale" in a else None
+    out: Stats = {}
+    for name, x in a.items():
+        how, y = _REDUCTION[name], b[name]
+        if how == "sum":
+            out[name] = x + y
+        elif how == "max":
+            out[name] = jnp.maximum(x, y)
+        elif how == "min":
+            out[name] = jnp.minimum(x, y)
+        else:
+            assert common is not None
+            out[name] = (x * _rescale(a["err_scale"], common)
+                         + y * _rescale(b["err_scale"], common))
+    return out
+
+
+def reduce_stacked(stats: Stats) -> Stats:
+    """The statistics of a loop body stacked over iterations (leading axis), as one."""
+    common = jnp.max(stats["err_scale"], axis=0, initial=0) if "err_scale" in stats else None
+    out: Stats = {}
+    for name, x in stats.items():
+        how = _REDUCTION[name]
+        if how == "sum":
+            out[name] = jnp.sum(x, axis=0, dtype=x.dtype)
+        elif how == "max":
+            out[name] = jnp.max(x, axis=0, initial=0)
+        elif how == "min":
+            out[name] = jnp.min(x, axis=0, initial=0x7F800000)
+        else:
+            assert common is not None
+            out[name] = jnp.sum(x * _rescale(stats["err_scale"], common), axis=0)
+    return out
+
+
+def merge(sink: Sink, more: Sink) -> None:
+    """Adds the statistics of ``more`` to ``sink``."""
+    for number, stats in more.items():
+        sink[number] = combine(sink[number], stats) if number in sink else stats
+
+
+def _completed(sink: Sink, shapes: dict[int, dict[str, Any]]) -> Sink:
+    """``sink`` with an identity for every statistic of ``shapes`` it lacks."""
+    completed: Sink = {}
+    for number, fields in shapes.items():
+        have = sink.get(number, {})
+        completed[number] = {name: have[name] if name in have
+                             else _identity(name, s.shape, s.dtype)
+                             for name, s in fields.items()}
+    return completed
+
+
+def _side(sink: Sink, float32_side: bool) -> Sink:
+    """The statistics of one side of the evaluation only."""
+    return {number: {name: x for name, x in stats.items()
+                     if (name in _FLOAT32_SIDE) == float32_side}
+            for number, stats in sink.items()}
+
+
+def _masked(sink: Sink, low_taken: Any, ref_taken: Any) -> Sink:
+    """``sink`` with the statistics of a side that did not run replaced by identities."""
+    return {number: {name: jnp.where(ref_taken if name in _FLOAT32_SIDE else low_taken,
+                                     x, _identity(name, x.shape, x.dtype))
+                     for name, x in stats.items()}
+            for number, stats in sink.items()}
+
+
+@dataclasses.dataclass
+class Level:
+    """What the equations of one evaluated body record: statistics, and the float32
+    values of the backward pass (binned together when the body ends).
+
+    Attributes:
+      one: a float32 one known only at run time (see `_magnitude_bits`).
+      origin: the source location given to every operation that computes
+        statistics. XLA compiles a kernel once for all its identical copies,
+        and copies emitted from different call stacks differ in their
+        locations; one location makes the statistics of same-sized results
+        one kernel to compile.
+    """
+
+    one: Any
+    origin: Any
+    sink: Sink = dataclasses.field(default_factory=dict)
+    gradients: list[jax.Array] = dataclasses.field(default_factory=list)
+
+    def inner(self) -> Level:
+        """The level of a body evaluated from this one (a loop's, a branch's)."""
+        return Level(self.one, self.origin)
+
+    def record(self, number: int, stats: Callable[[], Stats]) -> None:
+        """Adds the statistics that ``stats`` computes to row ``number``."""
+        with source_info_util.user_context(self.origin):
+            merge(self.sink, {number: stats()})
+
+    def finish(self) -> Sink:
+        if self.gradients:
+            self.record(HISTOGRAM, lambda: {"hist": histogram(self.gradients, self.one)})
+            self.gradients = []
+        return self.sink
+
+
+# --- Getting statistics out of the program ------------------------------------------------
+
+@dataclasses.dataclass
+class Packing:
+    """Where `pack` put each statistic: ``(row, name, array, offset)`` entries.
+
+    Set while the program is traced, read when its outputs are unpacked.
+    """
+
+    entries: list[tuple[int, str, int, int]] = dataclasses.field(default_factory=list)
+
+
+_SCALAR_DTYPES = (np.dtype(np.int32), np.dtype(np.float32))
+
+
+def pack(sink: Sink, packing: Packing) -> tuple[jax.Array, ...]:
+    """The statistics of ``sink`` in a few arrays: the scalars stacked by dtype.
+
+    A program returning thousands of scalars would pay a transfer for each.
+    """
+    scalars: list[list[jax.Array]] = [[] for _ in _SCALAR_DTYPES]
+    others: list[jax.Array] = []
+    packing.entries = []
+    for number, stats in sink.items():
+        for name, x in stats.items():
+            if x.shape == () and x.dtype in _SCALAR_DTYPES:
+                kind = _SCALAR_DTYPES.index(x.dtype)
+                packing.entries.append((number, name, kind, len(scalars[kind])))
+                scalars[kind].append(x)
+            else:
+                packing.entries.append((number, name, len(scalars) + len(others), 0))
+                others.append(x)
+    stacked = [jnp.stack(xs) if xs else jnp.zeros(0, d) for xs, d in zip(scalars, _SCALAR_DTYPES)]
+    return (*stacked, *others)
+
+
+def unpack(arrays: Sequence[Any], packing: Packing) -> dict[int, dict[str, Any]]:
+    """The statistics `pack` packed, from the program's outputs on the host (numpy),
+    bit patterns turned into the float32 magnitudes they are."""
+    sink: dict[int, dict[str, Any]] = {}
+    for number, name, array, offset in packing.entries:
+        value = arrays[array][offset] if array < len(_SCALAR_DTYPES) else arrays[array]
+        if name in BIT_PATTERNS:
+            value = np.asarray(value, np.int32).view(np.float32)
+        sink.setdefault(number, {})[name] = value
+    return sink
+
+
+# --- Statistics of one result --------------------------------------------------------------
+
+# The statistics are computed on the bits of float32 values, with integer arithmetic
+# only: XLA compiles comparisons, selects and int<->float conversions inside reductions
+# to scalar loops on CPUs, several times slower than the integer and bit operations below,
+# which it vectorizes. For a float32 magnitude (sign bit cleared), the bits order like
+# the values; inf is _INF_BITS and NaN is above it.
+
+_I32 = np.int32
+_INF_BITS = _I32(0x7F800000)
+
+
+def _magnitude_bits(x: Any, one: Any) -> jax.Array:
+    """The bits of ``|x|`` as a float32.
+
+    ``x`` is first multiplied by ``one``, a one that XLA cannot see: statistics of a
+    constant (a broadcast zero, a mask) would otherwise be evaluated at compile time,
+    which takes seconds for large ones. (Exact: x * 1 is x, infs and NaNs included.)
+    """
+    x32 = lax.mul(lax.convert_element_type(x, np.float32), one)
+    return lax.bitcast_convert_type(x32, _I32) & _I32(0x7FFFFFFF)
+
+
+def _finite(bits: jax.Array) -> jax.Array:
+    """-1 (all bits set) where the magnitude ``bits`` are finite, 0 for inf and NaN."""
+    return lax.shift_right_arithmetic(bits - _INF_BITS, _I32(31))
+
+
+def _below(bits: jax.Array, limit: Any) -> jax.Array:
+    """1 where ``bits < limit`` (both non-negative), else 0."""
+    return lax.shift_right_logical(bits - _I32(limit), _I32(31))
+
+
+def _positive(bits: jax.Array) -> jax.Array:
+    """1 where ``bits > 0`` (non-negative), else 0."""
+    return lax.shift_right_logical(-bits, _I32(31))
+
+
+def _as_float(bits: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(bits, np.float32)
+
+
+def _where_bits(mask: jax.Array, x: jax.Array) -> jax.Array:
+    """``x`` where ``mask`` is -1, +0.0 where it is 0 (a select without a select)."""
+    return _as_float(lax.bitcast_convert_type(x, _I32) & mask)
+
+
+def _reduced(fields: dict[str, jax.Array]) -> Stats:
+    """Each array of ``fields`` reduced over all its axes as `_REDUCTION` says.
+
+    One variadic reduction: XLA emits a single loop over the elements for all
+    of them (separate reductions would each be a kernel to compile and a pass
+    over memory).
+    """
+    names = list(fields)
+    hows = ["sum" if _REDUCTION[n] == "scaled" else _REDUCTION[n] for n in names]
+    operands = [fields[n] for n in names]
+    inits = [np.array(_INF_BITS if h == "min" else 0, x.dtype) for h, x in zip(hows, operands)]
+    ops = {"sum": lax.add, "max": lax.max, "min": lax.min}
+
+    def computation(a: Sequence[jax.Array], b: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+        return tuple(ops[h](x, y) for h, x, y in zip(hows, a, b))
+
+    outs = lax.reduce(operands, inits, computation, tuple(range(operands[0].ndim)))
+    return dict(zip(names, outs))
+
+
+# Statistics kept as the bit patterns of float32 magnitudes (int32, ordered like the
+# values), turned into floats on the host: a conversion per statistic in the program
+# would be one more kernel to compile each.
+BIT_PATTERNS = frozenset({"max_abs", "f32_min", "f32_max", "err_scale"})
+
+
+def result_stats(low: Any, ref: Any, local: Optional[Any], tiny: float, one: Any) -> Stats:
+    """Statistics of one result: ``low`` (autocast's), ``ref`` (the float32 evaluation's)
+    and ``local`` (the local float32 reference, ``None`` where it equals ``low``).
+
+    ``tiny`` is the smallest normal magnitude of the dtype the equation ran in; ``one``
+    is a float32 one known only at run time (see `_magnitude_bits`).
+    """
+    # Flat, behind a barrier that keeps XLA from fusing the operations that produced
+    # them into the statistics' kernel: the kernels of same-sized results are then
+    # the same kernel, compiled once.
+    low, ref, local = lax.optimization_barrier(  # type: ignore[no-untyped-call]
+        tuple(None if x is None else jnp.ravel(x) for x in (low, ref, local)))
+    low_bits, ref_bits = _magnitude_bits(low, one), _magnitude_bits(ref, one)
+    low_finite = _finite(low_bits)
+    v = low_bits & low_finite  # finite magnitudes; 0 for inf and NaN
+    w = ref_bits & _finite(ref_bits)
+    tiny_bits = np.float32(tiny).view(_I32)
+    fields = {
+        "max_abs": v,
+        "subnormal": _positive(v) & _below(v, tiny_bits),
+        "f32_max": w,
+        "f32_min": w | (lax.shift_right_arithmetic(w - _I32(1), _I32(31)) & _INF_BITS),
+    }
+    size = {"size": jnp.asarray(np.size(low), _I32)}
+    if local is None:
+        stats = _reduced(fields)
+        zeros = {n: jnp.zeros((), _I32) for n in ("overflow", "nonzero", "underflow", "err_scale")}
+        zeros.update({n: jnp.zeros((), np.float32) for n in ("err_sq", "ref_sq")})
+        return {**stats, **size, **zeros}
+    local_bits = _magnitude_bits(local, one)
+    local_finite = _finite(local_bits)
+    u = local_bits & local_finite
+    both = low_finite & local_finite
+    stats = _reduced({**fields,
+                      "overflow": (low_finite + 1) & local_finite,  # low inf/NaN, local finite
+                      "nonzero": _positive(u),
+                      "underflow": _positive(u) & _below(low_bits, 1),  # local nonzero, low zero
+                      "err_scale": lax.max(v, u) & both})
+    # Squares relative to the largest magnitude, so that float32 values beyond 1e19 do
+    # not overflow the sums (a second pass, for the few equations with a reference).
+    scale = _as_float(stats["err_scale"])
+    inv = jnp.where(scale > 0, 1 / jnp.where(scale > 0, scale, 1), np.float32(0))
+    x, r = (lax.mul(lax.convert_element_type(y, np.float32), one) for y in (low, local))
+    d = _where_bits(both, lax.mul(lax.sub(x, r), inv))
+    rr = _where_bits(both, lax.mul(r, inv))
+    squares = _reduced({"err_sq": lax.mul(d, d), "ref_sq": lax.mul(rr, rr)})
+    return {**stats, **size, **squares}
+
+
+HISTOGRAM_SAMPLE = 4096
+"""At most this many values of each result enter the gradient histogram."""
+
+
+def _sample_stride(size: int) -> int:
+    """Every how many values a result of ``size`` values is sampled: an odd stride, so
+    that a sample of an array with power-of-two dimensions goes through all its columns."""
+    stride = -(-size // HISTOGRAM_SAMPLE)
+    return stride if stride == 1 or stride % 2 else stride + 1
+
+
+def histogram(values: Sequence[Any], one: Any) -> jax.Array:
+    """Counts of the finite nonzero magnitudes of ``values`` by float32 exponent.
+
+    A large result is represented by an evenly spread sample of its values,
+    each counting for the values it stands for: binning every value of a
+    backward pass would cost more than the rest of the inspection.
+    """
+    bins, weights = [], []
+    for x in values:
+        bits = _magnitude_bits(x, one).ravel()
+        stride = _sample_stride(bits.size)
+        v = bits[::stride] & _finite(bits[::stride])
+        # Zeros and non-finite values go to bin 255 (that of inf and NaN), dropped below.
+        bins.append(lax.shift_right_logical(v, _I32(23))
+                    | (lax.shift_right_arithmetic(v - _I32(1), _I32(31)) & _I32(255)))
+        weights.append(jnp.full(v.shape, stride, _I32))
+    counts = jnp.zeros(HISTOGRAM_BINS, _I32).at[jnp.concatenate(bins)].add(
+        jnp.concatenate(weights))
+    return counts.at[255].set(0)
+
+
+def _fp8_stats(recipe: Float8Recipe, eqn: JaxprEqn, scope: str, invals: Sequence[Any]) -> Stats:
+    """How many operand values of a float8 product saturate or flush to zero."""
+    formats = operand_dtypes(recipe, scope)
+    counts = [quantization_counts(x, fmt, recipe.scaling, axes,
+                                  power_of_two=recipe.power_of_two_scales)
+              for x, fmt, axes in zip(invals, formats, contracting_axes(eqn))]
+    return {"fp8_saturated": sum((c.saturated for c in counts[1:]), counts[0].saturated),
+            "fp8_flushed": sum((c.flushed_to_zero for c in counts[1:]),
+                               counts[0].flushed_to_zero)}
+
+
+def _sum_outputs(stats: list[Stats]) -> Stats:
+    result = stats[0]
+    for more in stats[1:]:
+        result = combine(result, more)
+    return result
+
+
+# --- The walk ------------------------------------------------------------------------------
+
+Handler = Callable[["Walk", Context, Context, JaxprEqn, list[Pair], Level], list[Pair]]
+_HANDLERS: dict[Primitive, Handler] = {}
+
+
+def _handles(*primitives: Primitive) -> Callable[[Handler], Handler]:
+    def decorator(handler: Handler) -> Handler:
+        for primitive in primitives:
+            _HANDLERS[primitive] = handler
+        return handler
+    return decorator
+
+
+def _widened(x: Any) -> Any:
+    """``x`` at float32 at least, if floating (float64 stays float64)."""
+    return convert(x, join(dtype_of(x), F32)) if is_floating(x) else x
+
+
+def pairs(values: Sequence[Any]) -> list[Pair]:
+    """Values entering both evaluations: as they are, and widened to float32."""
+    return [(x, _widened(x)) for x in values]
+
+
+def evaluate(registry: Registry, recipe: Optional[Float8Recipe], low: Context, ref: Context,
+             closed: ClosedJaxpr, values: Sequence[Any], one: Any = np.float32(1)) -> Sink:
+    """Evaluates ``closed`` on ``values`` under ``low`` and ``ref``; returns the statistics.
+
+    ``one`` is a float32 one; pass a traced one (an argument of the program) so that
+    the statistics of constants are not computed when the program is compiled.
+    """
+    level = Level(one, source_info_util.current().traceback)
+    Walk(registry, recipe).jaxpr(low, ref, closed.jaxpr, pairs(closed.consts), pairs(values),
+                                 level)
+    return level.finish()
+
+
+class Walk:
+    """Evaluates jaxprs in lockstep under two contexts, recording statistics per equation.
+
+    Args:
+      registry: numbers the rows.
+      recipe: the float8 recipe of the low-precision side, for its products' counts.
+    """
+
+    def __init__(self, registry: Registry, recipe: Optional[Float8Recipe]):
+        self.registry = registry
+        self.recipe = recipe
+        self._unvisited: set[str] = set()
+
+    def jaxpr(self, low: Context, ref: Context, jaxpr: Jaxpr, consts: Sequence[Pair],
+              args: Sequence[Pair], level: Level) -> list[Pair]:
+        """Evaluates ``jaxpr`` like autocast's ``eval_jaxpr``, on both sides."""
+        low, ref = dataclasses.replace(low, _casts=_Casts()), dataclasses.replace(ref, _casts=_Casts())
+        env: dict[Var, Pair] = {**dict(zip(jaxpr.constvars, consts)),
+                                **dict(zip(jaxpr.invars, args))}
+
+        def read(v: Any) -> Pair:
+            return (v.val, v.val) if isinstance(v, JaxprLiteral) else env[v]
+
+        try:
+            for eqn in jaxpr.eqns:
+                invals = [read(v) for v in eqn.invars]
+                # Values computed from constants alone are constants of the program.
+                with eqn.ctx.manager:
+                    outs = self.equation(low.at(eqn), ref.at(eqn), eqn, invals, level)
+                env.update(zip(eqn.outvars, outs))
+            return [read(v) for v in jaxpr.outvars]
+        finally:
+            low._casts.close()
+            ref._casts.close()
+
+    def equation(self, low: Context, ref: Context, eqn: JaxprEqn, invals: list[Pair],
+                 level: Level) -> list[Pair]:
+        handler = _HANDLERS.get(eqn.primitive)
+        if handler is not None:
+            return handler(self, low, ref, eqn, invals, level)
+        lows = eval_equation(low, eqn, [x for x, _ in invals])
+        refs = eval_equation(ref, eqn, [x for _, x in invals])
+        if eqn.primitive.name in higher_order_names():
+            self._warn_unvisited(eqn.primitive.name)
+        elif any(is_floating(o) for o in lows):
+            self._record(low, eqn, [x for x, _ in invals], lows, refs, level)
+        return list(zip(lows, refs))
+
+    def _warn_unvisited(self, name: str) -> None:
+        if name in self._unvisited:
+            return
+        self._unvisited.add(name)
+        warnings.warn(
+            f"inspect_numerics evaluates {name!r} as autocast does but does not look inside "
+            "it: its equations have no rows in the report.", AutocastWarning, stacklevel=4)
+
+    def _record(self, ctx: Context, eqn: JaxprEqn, invals: list[Any], lows: list[Any],
+                refs: list[Any], level: Level) -> None:
+        floats = [i for i, o in enumerate(lows) if is_floating(o)]
+        product = _is_product(ctx, eqn)
+        fp8 = product and self.recipe is not None and eligible(self.recipe, eqn, ctx.scope)
+        ran_in = _ran_in(ctx, lows, floats, product, self.recipe if fp8 else None)
+        number = self.registry.number(
+            eqn, RowInfo(ctx.scope, eqn.primitive.name, " x ".join(d.name for d in ran_in), fp8))
+        local = _local_reference(ctx, eqn, invals, lows, product)
+        # A float8 product's result is rescaled float32 that continues in the compute
+        # dtype: its subnormals are the compute dtype's.
+        tiny = float(jnp.finfo(ctx.compute if fp8 else ran_in[0]).tiny)  # type: ignore[no-untyped-call]
+
+        def stats() -> Stats:
+            stats = _sum_outputs([result_stats(lows[i], refs[i],
+                                               None if local is None else local[i], tiny, level.one)
+                                  for i in floats])
+            if fp8:
+                assert self.recipe is not None
+                stats.update(_fp8_stats(self.recipe, eqn, ctx.scope, invals))
+            return stats
+
+        level.record(number, stats)
+        if phase_of(ctx.scope) == "backward" and eqn.primitive.name not in VALUE_PRESERVING:
+            level.gradients.extend(refs[i] for i in floats)
+
+
+def _is_product(ctx: Context, eqn: JaxprEqn) -> bool:
+    """Whether autocast runs ``eqn`` as matrix work on operands narrowed to ``ctx.compute``."""
+    cls = ctx.rules.class_of(eqn.primitive)
+    return cls == "matmul" and not ctx.pinned and not represents(ctx.compute, F32)
+
+
+def _ran_in(ctx: Context, outs: list[Any], floats: list[int], product: bool,
+            fp8: Optional[Float8Recipe]) -> tuple[DType, ...]:
+    """The dtypes an equation ran in: its float8 operand formats, its compute dtype, or the
+    narrowest floating dtype of its results."""
+    if fp8 is not None:
+        lhs, rhs = operand_dtypes(fp8, ctx.scope)
+        return (lhs,) if lhs == rhs else (lhs, rhs)
+    if product:
+        return (ctx.compute,)
+    dtypes = [dtype_of(outs[i]) for i in floats]
+    return (min(dtypes, key=lambda d: (d.itemsize, d.name)),)
+
+
+def _local_reference(ctx: Context, eqn: JaxprEqn, invals: list[Any], outs: list[Any],
+                     product: bool) -> Optional[list[Any]]:
+    """``eqn`` evaluated in float32 on its inputs widened, or ``None`` where that changes
+    nothing (results of float32 or wider, values only moved or selected)."""
+    if not product:
+        if eqn.primitive.name in VALUE_PRESERVING:
+            return None
+        if all(represents(dtype_of(o), F32) for o in outs if is_floating(o)):
+            return None
+    wide = dataclasses.replace(ctx, compute=join(ctx.compute, F32), matmul=matmul)
+    return eval_equation(wide, eqn, [_widened(x) for x in invals])
+
+
+# --- Higher-order primitives ---------------------------------------------------------------
+
+def _inline(walk: Walk, low: Context, ref: Context, jaxpr: Any, invals: Sequence[Pair],
+            level: Level) -> list[Pair]:
+    """Evaluates a called jaxpr (closed or open) in place: calls change no precision."""
+    if isinstance(jaxpr, ClosedJaxpr):
+        return walk.jaxpr(low, ref, jaxpr.jaxpr, pairs(jaxpr.consts), invals, level)
+    return walk.jaxpr(low, ref, jaxpr, (), invals, level)
+
+
+@_handles(P.jit_p)
+def _jit(walk: Walk, low: Context, ref: Context, eqn: JaxprEqn, invals: list[Pair],
+         level: Level) -> list[Pair]:
+    return _inline(walk, low, ref, Params(eqn)["jaxpr"], invals, level)
+
+
+@_handles(P.closed_call_p, P.call_p, P.custom_jvp_call_p, P.custom_vjp_call_p)
+def _call(walk: Walk, low: Context, ref: Context, eqn: JaxprEqn, invals: list[Pair],
+          level: Level) -> list[Pair]:
+    # A custom derivative changes no value of the primal: its function is evaluated in
+    # place (the derivatives of a backward pass are already equations of the jaxpr).
+    return _inline(walk, low, ref, Params(eqn)["call_jaxpr"], invals, level)
+
+
+@_handles(P.remat_p)
+def _remat(walk: Walk, low: Context, ref: Context, eqn: JaxprEqn, invals: list[Pair],
+           level: Level) -> list[Pair]:
+    return _inline(walk, low, ref, Params(eqn)["jaxpr"], invals, level)
+
+
+def _carry_dtypes(ctx: Context, body: ClosedJaxpr, values: Sequence[Any], n_before: int,
+                  n_carry: int) -> list[Any]:
+    """The carry dtypes autocast gives a loop body under ``ctx`` (see ``_higher_order``)."""
+    d = [dtype_of(x) for x in values]
+    carry, _ = _stable_carry(ctx, body, d[:n_before], d[n_before:n_before + n_carry],
+                             d[n_before + n_carry:], slice(0, n_carry))
+    return carry
+
+
+def _cast_pairs(low: Context, ref: Context, values: Sequence[Pair], low_d: Sequence[Any],
+                ref_d: Sequence[Any]) -> list[Pair]:
+    return [(low.cast(x, a), ref.cast(y, b)) for (x, y), a, b in zip(values, low_d, ref_d)]
+
+
+def _converted(values: Sequence[Pair], low_d: Sequence[Any], ref_d: Sequence[Any]) -> list[Pair]:
+    return [(convert(x, a), convert(y, b)) for (x, y), a, b in zip(values, low_d, ref_d)]
+
+
+@_handles(P.scan_p)
+def _scan(walk: Walk, low: Context, ref: Context, eqn: JaxprEqn, invals: list[Pair],
+          level: Level) -> list[Pair]:
+    p = Params(eqn)
+    nc, nk = _scan_sizes(p)
+    body: ClosedJaxpr = p["jaxpr"]
+    low_d = _carry_dtypes(low, body, [x for x, _ in invals], nc, nk)
+    ref_d = _carry_dtypes(ref, body, [x for _, x in invals], nc, nk)
+    consts, xs = invals[:nc], invals[nc + nk:]
+    carry = _cast_pairs(low, ref, invals[nc:nc + nk], low_d, ref_d)
+
+    def step(carry: list[Pair], x: list[Pair]) -> tuple[list[Pair], tuple[list[Pair], Sink]]:
+        inner = level.inner()
+        outs = walk.jaxpr(low, ref, body.jaxpr, pairs(body.consts), [*consts, *carry, *x], inner)
+        return _converted(outs[:nk], low_d, ref_d), (outs[nk:], inner.finish())
+
+    carry, (ys, stacked) = lax.scan(step, carry, xs, length=p["length"], reverse=p["reverse"],
+                                    unroll=p["unroll"])
+    merge(level.sink, {number: reduce_stacked(stats) for number, stats in stacked.items()})
+    return [*carry, *ys]
+
+
+@_handles(P.while_p)
+def _while(walk: Walk, low: Context, ref: Context, eqn: JaxprEqn, invals: list[Pair],
+           level: Level) -> list[Pair]:
+    p = Params(eqn)
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cond: ClosedJaxpr = p["cond_jaxpr"]
+    body: ClosedJaxpr = p["body_jaxpr"]
+    low_d = _carry_dtypes(low, body, [x for x, _ in invals[cn:]], bn, len(invals) - cn - bn)
+    ref_d = _carry_dtypes(ref, body, [x for _, x in invals[cn:]], bn, len(invals) - cn - bn)
+    cond_consts, body_consts = invals[:cn], invals[cn:cn + bn]
+
+    # Each side loops while its own condition holds (as autocast evaluates it; the
+    # condition's equations have no rows): a side that is done keeps its carry.
+    def running(carry: list[Pair]) -> tuple[Any, Any]:
+        (l,) = eval_jaxpr(low, cond.jaxpr, cond.consts, [x for x, _ in cond_consts + carry])
+        (r,) = eval_jaxpr(ref, cond.jaxpr, cond.consts, [x for _, x in cond_consts + carry])
+        return l, r
+
+    def step(carry: list[Pair]) -> tuple[list[Pair], Sink]:
+        inner = level.inner()
+        outs = walk.jaxpr(low, ref, body.jaxpr, pairs(body.consts), [*body_consts, *carry], inner)
+        return _converted(outs, low_d, ref_d), inner.finish()
+
+    carry = _cast_pairs(low, ref, invals[cn + bn:], low_d, ref_d)
+    shapes = jax.eval_shape(lambda c: step(c)[1], carry)
+
+    def loop(state: tuple[list[Pair], Sink]) -> tuple[list[Pair], Sink]:
+        old, totals = state
+        l, r = running(old)
+        new, inner = step(old)
+        kept = [(lax.select(l, a, x), lax.select(r, b, y)) for (a, b), (x, y) in zip(new, old)]
+        inner = _masked(_completed(inner, shapes), l, r)
+        return kept, {n: combine(totals[n], s) for n, s in inner.items()}
+
+    def either(state: tuple[list[Pair], Sink]) -> Any:
+        l, r = running(state[0])
+        return l | r
+
+    carry, totals = lax.while_loop(either, loop, (carry, _completed({}, shapes)))
+    merge(level.sink, totals)
+    return carry
+
+
+@_handles(P.cond_p)
+def _cond(walk: Walk, low: Context, ref: Context, eqn: JaxprEqn, invals: list[Pair],
+          level: Level) -> list[Pair]:
+    (low_index, ref_index), ops = invals[0], invals[1:]
+    branches: Sequence[ClosedJaxpr] = Params(eqn)["branches"]
+    n = len(branches)
+
+    def side(k: int, *ops: Pair) -> tuple[list[Pair], Sink]:
+        inner = level.inner()
+        b = branches[k]
+        return walk.jaxpr(low, ref, b.jaxpr, pairs(b.consts), ops, inner), inner.finish()
+
+    # Each side takes its own branch: the two evaluations agree on the branch taken
+    # unless a floating comparison decides it, and then each side's rows come from
+    # its own branch. Branch k * n + j runs branch k on the low side, j on the other.
+    def run(k: int, j: int) -> Callable[..., tuple[list[Pair], Sink]]:
+        def both(*ops: Pair) -> tuple[list[Pair], Sink]:
+            if k == j:
+                return side(k, *ops)
+            (outs_k, sink_k), (outs_j, sink_j) = side(k, *ops), side(j, *ops)
+            sink = _side(sink_k, False)
+            merge(sink, _side(sink_j, True))
+            return [(x, y) for (x, _), (_, y) in zip(outs_k, outs_j)], sink
+        return both
+
+    runs = [run(k, j) for k in range(n) for j in range(n)]
+    traced = [jax.eval_shape(r, *ops) for r in runs]
+    # Every branch returns the same types (per side, the join of what the branches
+    # produce) and the statistics of every branch's rows, identities where it has none.
+    low_d = [_join_all([t[0][i][0].dtype for t in traced]) for i in range(len(traced[0][0]))]
+    ref_d = [_join_all([t[0][i][1].dtype for t in traced]) for i in range(len(traced[0][0]))]
+    shapes: dict[int, dict[str, Any]] = {}
+    for _, sink in traced:
+        for number, fields in sink.items():
+            shapes.setdefault(number, {}).update(fields)
+
+    def agreed(r: Callable[..., tuple[list[Pair], Sink]]) -> Callable[..., Any]:
+        def run_agreed(*ops: Pair) -> tuple[list[Pair], Sink]:
+            outs, sink = r(*ops)
+            return _converted(outs, low_d, ref_d), _completed(sink, shapes)
+        return run_agreed
+
+    index = lax.convert_element_type(low_index, np.int32) * n + ref_index
+    outs, sink = lax.switch(index, [agreed(r) for r in runs], *ops)
+    merge(level.sink, sink)
+    return list(outs)
+
+
+def _join_all(dtypes: list[Any]) -> Any:
+    if not all(is_floating_dtype(d) for d in dtypes):
+        return dtypes[0]
+    result = np.dtype(dtypes[0])
+    for d in dtypes[1:]:
+        result = join(result, np.dtype(d))
+    return result
