@@ -198,8 +198,8 @@ def low_precision_params(
             updates, low_bits = _per_leaf(_split_step, handled, seen, updates, params)
             return updates, SplitState(inner_state, low_bits)
         next_key, step_key = _split_key(state.key, impl)
-        keys = _leaf_keys(step_key, params)
-        updates, _ = _per_leaf(_stochastic_step, handled, params, updates, keys)
+        seeds = _leaf_seeds(step_key, params)
+        updates, _ = _per_leaf(_stochastic_step, handled, params, updates, seeds)
         return updates, StochasticRoundingState(inner_state, next_key)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -314,8 +314,8 @@ def _kahan_step(p: jax.Array, update: jax.Array, c: jax.Array) -> Tuple[jax.Arra
     return to_new, rest.astype(p.dtype)
 
 
-def _stochastic_step(p: jax.Array, update: jax.Array, key: jax.Array) -> Tuple[jax.Array, None]:
-    new = _stochastic_round(p.astype(jnp.float32) + update, p.dtype, key)
+def _stochastic_step(p: jax.Array, update: jax.Array, seed: jax.Array) -> Tuple[jax.Array, None]:
+    new = _stochastic_round(p.astype(jnp.float32) + update, p.dtype, seed)
     return _update_to(p, new), None
 
 
@@ -379,22 +379,44 @@ def _bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
 
-def _stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
+def _stochastic_round(x: jax.Array, dtype: Any, seed: jax.Array) -> jax.Array:
     """``x`` (float32) rounded to one of its two neighbours in ``dtype``, with mean ``x``.
 
-    The farther neighbour is taken with probability ``|x - nearest| / gap``;
-    that ratio is exact (both differences are exact and the gap is a power of
-    two) and, for bfloat16, a multiple of ``2**-16``, so comparing it with a
-    uniform number on a ``2**-24`` grid makes the mean exactly ``x``. Values
-    beyond the largest finite value, infinities and NaNs round to nearest.
+    The value above is taken with probability ``(x - below) / ulp``. For
+    bfloat16 that fraction is the low 16 bits of ``x`` over ``2**16``: adding 16
+    random bits there and dropping them rounds up exactly that often (the
+    carry runs into the exponent where it should, signs are magnitudes).
+    Other dtypes compare the fraction, computed exactly, with a uniform number
+    on a ``2**-16`` grid; NaNs and infinities stay, values beyond the largest
+    finite one round to nearest.
     """
+    noise = _noise16(seed, x.shape)
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32) + noise.astype(jnp.uint32)
+        rounded = jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
+        # A NaN's payload could carry into its sign bit.
+        return jnp.where(jnp.isnan(x), x.astype(dtype), rounded)
     nearest = x.astype(dtype)
     wide = nearest.astype(jnp.float32)
-    direction = jnp.where(x > wide, jnp.inf, -jnp.inf).astype(dtype)
-    other = jnp.nextafter(nearest, direction)
+    other = jnp.nextafter(nearest, jnp.where(x > wide, jnp.inf, -jnp.inf).astype(dtype))
     fraction = (x - wide) / (other.astype(jnp.float32) - wide)
-    uniform = (jax.random.bits(key, x.shape, jnp.uint32) >> 8).astype(jnp.float32) * 2.0**-24
-    return jnp.where(uniform < fraction, other, nearest)
+    return jnp.where(noise.astype(jnp.float32) * 2.0**-16 < fraction, other, nearest)
+
+
+def _noise16(seed: jax.Array, shape: Tuple[int, ...]) -> jax.Array:
+    """16 random bits per element: a hash of the element's index and ``seed`` (2 uint32 words).
+
+    For a uniformly random first word, ``index * odd + word`` is uniform over
+    32 bits, and murmur3's finalizer is a bijection, so each element's bits
+    are exactly uniform. Computed in the kernel that uses them, unlike
+    ``jax.random.bits``, whose output XLA writes to memory and reads back;
+    and from the global index, so a sharded array gets the same bits.
+    """
+    index = jax.lax.iota(jnp.uint32, int(np.prod(shape))).reshape(shape)
+    h: jax.Array = (index * jnp.uint32(0x9E3779B1) + seed[0]) ^ seed[1]
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    return ((h ^ (h >> 16)) >> 16).astype(jnp.uint16)
 
 
 def _split_float32(x: jax.Array) -> Tuple[jax.Array, jax.Array]:
@@ -478,10 +500,11 @@ def _params_seen_by_inner(params: Any, state: LowPrecisionState, handled: Any) -
     return _widened(params, handled)
 
 
-def _leaf_keys(key: jax.Array, params: Any) -> Any:
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    keys = jax.random.split(key, max(len(leaves), 1))
-    return jax.tree_util.tree_unflatten(treedef, list(keys[: len(leaves)]))
+def _leaf_seeds(key: jax.Array, tree: Any) -> Any:
+    """Per leaf of ``tree``, two random uint32 words drawn from ``key`` (one draw for all)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    seeds = jax.random.bits(key, (max(len(leaves), 1), 2), jnp.uint32)
+    return jax.tree_util.tree_unflatten(treedef, [seeds[i] for i in range(len(leaves))])
 
 
 def _is_stored_narrow(x: Any) -> bool:
@@ -493,15 +516,16 @@ def _is_stored_narrow(x: Any) -> bool:
 
 def _narrowed(state: Any, dtype: Any, key: Optional[jax.Array]) -> Any:
     """``state`` with its stored-narrow leaves in ``dtype``: stochastically rounded with ``key``."""
-    leaves, treedef = jax.tree_util.tree_flatten(state)
-    keys = list(jax.random.split(key, max(len(leaves), 1))) if key is not None else None
-    out = []
-    for i, x in enumerate(leaves):
-        if _is_stored_narrow(x):
-            x = (jnp.asarray(x).astype(dtype) if keys is None
-                 else _stochastic_round(jnp.asarray(x, jnp.float32), dtype, keys[i]))
-        out.append(x)
-    return jax.tree_util.tree_unflatten(treedef, out)
+    def narrow(x: Any, seed: Optional[jax.Array]) -> Any:
+        if not _is_stored_narrow(x):
+            return x
+        if seed is None:
+            return jnp.asarray(x).astype(dtype)
+        return _stochastic_round(jnp.asarray(x, jnp.float32), dtype, seed)
+
+    seeds = (_leaf_seeds(key, state) if key is not None
+             else jax.tree_util.tree_map(lambda x: None, state))
+    return jax.tree_util.tree_map(narrow, state, seeds, is_leaf=lambda x: x is None)
 
 
 def _widened_state(state: Any) -> Any:
