@@ -44,7 +44,8 @@ JSON (``SCHEMA``, written by `Report.write`)::
      "command": "python benchmarks/bench_loss_scaling.py --quick",
      "environment": {"date", "git_commit", "git_dirty", "python", "platform",
                      "packages": {"jax": "0.10.2", ...}, "backend", "device_kind",
-                     "device_count", "host_cpus", "load_average", "xla_flags"},
+                     "device_count", "host_cpus", "load_average", "load_average_at_write",
+                     "xla_flags", "compilation_cache"},
      "settings": {...},                             # the script's arguments
      "tables": [{"id", "title", "description", "baseline",
                  "columns": [{"key", "label", "unit"}],   # unit: s, bytes, count, x, ...
@@ -563,6 +564,8 @@ class Report:
     def write(self, path: str) -> Dict[str, Any]:
         """Writes the JSON to ``path`` (folders made as needed) and returns it."""
         payload = self.to_json()
+        if hasattr(os, "getloadavg"):  # load changes during a long run: record it at the end too
+            payload["environment"]["load_average_at_write"] = [round(x, 2) for x in os.getloadavg()]
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(payload, f, indent=1, allow_nan=False)
