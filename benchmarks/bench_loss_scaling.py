@@ -24,7 +24,8 @@ the recipe has one, the inner optimizer state) bit for bit unchanged.
 
 Figures (`harness.measure`), as ratios to plain adam in the same run and
 mode: bytes accessed, HLO instructions, top-level ops, parameter-sized
-copies, compile time, wall time per step, temp memory.
+copies that run on every step (the JSON also counts those inside a
+conditional's branch), compile time, wall time per step, temp memory.
 
 Commands (from the repository root; JSON to ``benchmarks/results/bench_loss_scaling.json``)::
 

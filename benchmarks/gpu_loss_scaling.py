@@ -149,7 +149,8 @@ STEP_COLUMNS = [
     harness.Column("bytes_accessed", "bytes accessed", "bytes"),
     harness.Column("top_level_ops", "top-level ops", "count"),
     harness.Column("conditionals", "conditionals", "count", ratio=False),
-    harness.Column("param_sized_copies", "param-sized copies", "count", ratio=False),
+    harness.Column("entry_param_sized_copies", "param-sized copies (every call)", "count",
+                   ratio=False),
     harness.Column("compile_s", "compile time", "s"),
 ]
 PROFILE_COLUMNS = [

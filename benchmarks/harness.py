@@ -256,13 +256,17 @@ def hlo_figures(text: str, argument_shapes: Iterable[Tuple[str, Tuple[int, ...]]
     launches. ``fusions``, ``conditionals``, ``while_loops``: top-level ops
     of those kinds. ``copies``: top-level ``copy`` / ``copy-start``;
     ``param_sized_copies``: those whose result has the shape and dtype of an
-    argument in ``argument_shapes``.
+    argument in ``argument_shapes``, wherever they are (a copy inside a
+    conditional's branch runs only when that branch is taken);
+    ``entry_param_sized_copies``: those of the entry computation, which run
+    on every call.
     """
     instructions = parse_hlo(text)
     fused = fused_computations(text)
     top = [i for i in instructions if i.computation not in fused]
     shapes = set(argument_shapes)
     copies = [i for i in top if i.opcode in ("copy", "copy-start")]
+    entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", text, re.M)
     return {
         "hlo_instructions": len(instructions),
         "top_level_ops": sum(i.opcode not in _FREE for i in top),
@@ -271,6 +275,8 @@ def hlo_figures(text: str, argument_shapes: Iterable[Tuple[str, Tuple[int, ...]]
         "while_loops": sum(i.opcode == "while" for i in top),
         "copies": len(copies),
         "param_sized_copies": sum(_shape_key(i.shape) in shapes for i in copies),
+        "entry_param_sized_copies": sum(_shape_key(i.shape) in shapes for i in copies
+                                        if entry and i.computation == entry.group(1)),
     }
 
 
@@ -460,7 +466,7 @@ STEP_COLUMNS = [
     Column("bytes_accessed", "bytes accessed", "bytes"),
     Column("hlo_instructions", "HLO instructions", "count"),
     Column("top_level_ops", "top-level ops", "count"),
-    Column("param_sized_copies", "param-sized copies", "count", ratio=False),
+    Column("entry_param_sized_copies", "param-sized copies (every call)", "count", ratio=False),
     Column("compile_s", "compile time", "s"),
     Column("wall_s", "wall time", "s"),
     Column("temp_bytes", "temp memory", "bytes", ratio=False),

@@ -103,7 +103,8 @@ ENTRY %main (a: f32[4], t: (f32[4], s32[])) -> f32[4] {
 """
     figures = harness.hlo_figures(text, {("float32", (4,))})
     assert figures == {"hlo_instructions": 7, "top_level_ops": 3, "fusions": 1,
-                       "conditionals": 0, "while_loops": 0, "copies": 1, "param_sized_copies": 1}
+                       "conditionals": 0, "while_loops": 0, "copies": 1, "param_sized_copies": 1,
+                       "entry_param_sized_copies": 1}
 
 
 def test_scripts_use_the_public_api_and_leave_sys_path_alone():
