@@ -637,7 +637,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     if args.smoke:
         args.rounds, args.iters, args.profile_steps = 3, 2, 2
         args.all_flag_sets.update(GUARD_TEST)
-        args.flag_sets = ["default", "cmdbuf+cond", *GUARD_TEST]
+        if args.flag_sets == DEFAULT_FLAG_SETS:
+            args.flag_sets = ["default", "cmdbuf+cond", *GUARD_TEST]
         args.flag_recipes = [BASELINE, OURS]
     return args
 
