@@ -49,20 +49,22 @@ Output: a report (`harness` schema) at ``--json`` (default
 time limit keeps what it measured. ``--time-limit`` (default 540 s) skips
 the phases that would not finish in time.
 
-Commands. On this machine (CPU), a smoke run with tiny LMs (~1-2 min)::
+Commands. On this machine (CPU), a smoke run with tiny LMs (2-4 min on 2
+shared cores)::
 
     python benchmarks/gpu_loss_scaling.py --smoke
 
-On a GPU machine (H100), from the repository root, the peers as wheels in
-``.whl/`` (see benchmarks/README.md; peers that are missing are listed under
-"failed"; ``--json`` under ``$OUT`` so that the report comes back)::
+On a GPU machine (H100), from the repository root, with the peers' wheels in
+``.whl/`` (benchmarks/README.md; a missing peer is listed under "failed")
+and ``--json`` under ``$OUT``, so that the report comes back::
 
-    export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false BENCH_GIT_COMMIT=<commit>
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false BENCH_GIT_COMMIT=<commit>
     python3 benchmarks/gpu_loss_scaling.py --json $OUT/gpu_loss_scaling.json          # ~8 min
-    python3 benchmarks/gpu_loss_scaling.py --phases profile --keep-traces $OUT \\
+    python3 benchmarks/gpu_loss_scaling.py --phases profile --keep-traces $OUT \
         --json $OUT/profile.json                                                       # ~1 min
-    python3 benchmarks/gpu_loss_scaling.py --phases profile \\
-        --profile-xla-flags=--xla_enable_command_buffers_during_profiling=true \\
+    python3 benchmarks/gpu_loss_scaling.py --phases profile \
+        --profile-xla-flags=--xla_enable_command_buffers_during_profiling=true \
         --json $OUT/profile_cmdbuf.json    # profile with command buffers as in the timed runs
     python3 benchmarks/gpu_loss_scaling.py --phases steps --lms lm100 --json $OUT/lm100.json
     python3 benchmarks/gpu_loss_scaling.py --phases flags --flag-sets all --json $OUT/flags.json
