@@ -1,72 +1,101 @@
-"""Float8 autocast on CPU: product accuracy per recipe, and what float8 costs in compile time.
+"""Float8 autocast on CPU: product accuracy per recipe, compile cost, and training accuracy.
 
-    python benchmarks/bench_fp8.py [--repeats 5] [--json results/bench_fp8.json]
+Tables of the report (``benchmarks/results/bench_fp8.json``):
 
-Two tables:
+``accuracy``
+    Relative error (norm of the error over the norm of the float32 result) of
+    one product ``x @ w`` (256 x 512 x 256) and of its two backward products
+    (the gradients of x and of w), under ``autocast(jnp.matmul, "float32",
+    fp8=recipe)``: tensorwise and rowwise scaling with exact (the default) and
+    power-of-two scales, and plain bfloat16 autocast for reference. Operands:
+    standard normal; scaled to 1e-4 and to 1e4 (outside float8_e4m3fn's range
+    unscaled); one outlier row of order 1e4 among rows of order 1 (the error
+    is measured on the other rows); heavy-tailed (log-normal magnitudes,
+    sigma 2). Deterministic: the same figures on every machine.
+``compile``
+    A transformer LM train step (2 blocks, d_model 128, AdamW) under
+    ``autocast(..., "mixed_bfloat16")``, with and without ``fp8=``:
+    trace + lower and XLA compile time (medians of ``--compile-rounds``
+    interleaved fresh compiles), StableHLO ops, float8 ``dot_general`` ops,
+    optimized HLO instructions and top-level ops; ratios to the bfloat16
+    step. No step times: a CPU emulates float8 (``gpu_fp8.py`` measures speed).
+``training`` (with ``--training``, written to ``bench_fp8_training.json``)
+    ``examples/transformer_lm.py``'s model trained for ``--steps`` steps per
+    seed, under its ``mixed_bfloat16`` module policy and with its ``apply``
+    under ``autocast(..., "mixed_bfloat16", fp8=recipe)`` for each recipe
+    variant behind the defaults: held-out bits per byte (the example's
+    metric: one held-out batch) and the mean training loss of the last
+    ``--tail`` steps, both in bits per byte, means over the seeds (per-seed
+    values under ``samples``); ratios to ``mixed_bfloat16``.
 
-* **accuracy**: the relative error (Frobenius norm of the error over the norm
-  of the float32 result) of one product ``x @ w`` (256 x 512 x 256) and of its
-  two backward products, under ``autocast(..., "float32", fp8=recipe)`` for
-  tensorwise and rowwise scaling with exact (the default) or power-of-two
-  scales, and under plain bfloat16 autocast for reference. Operand distributions: standard
-  normal; scaled to 1e-4 and to 1e4 (outside float8_e4m3fn's range unscaled);
-  one outlier row of order 1e4 among rows of order 1 (the error is measured
-  on the other rows); heavy-tailed (log-normal magnitudes, sigma 2).
-  Deterministic (fixed seeds): the same figures on every CPU.
-* **compile**: trace + lower + compile time (best and median of
-  ``--repeats`` fresh compiles, round-robin so that machine load hits every
-  version alike), StableHLO ops and optimized HLO instructions of a
-  transformer LM train step (2 blocks, AdamW) under ``autocast(...,
-  "mixed_bfloat16")`` and under the same with ``fp8="tensorwise"`` and
-  ``fp8="rowwise"``; ratios to the bfloat16 step. (Step times on a CPU, which
-  emulates float8, say nothing about a GPU: see ``gpu_fp8.py``.)
+Commands (from the repository root)::
+
+    python benchmarks/bench_fp8.py                          # accuracy + compile, ~2 min
+    python benchmarks/bench_fp8.py --training               # ~45 min on 2 busy CPU cores
+    python benchmarks/bench_fp8.py --quick                  # smoke run, ~30 s
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import math
 import os
-import re
-import statistics
-import time
-from typing import Any, Callable, Optional
+import sys
+from typing import Any, Callable, List, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+import harness
 import jmp_policy
 
-RECIPES: dict[str, Optional[jmp_policy.Float8Recipe]] = {
+R = jmp_policy.Float8Recipe
+ACCURACY_RECIPES: dict[str, Optional[R]] = {
     "bfloat16 (no fp8)": None,
-    "tensorwise": jmp_policy.Float8Recipe("tensorwise"),
-    "tensorwise, 2^k scales": jmp_policy.Float8Recipe("tensorwise", power_of_two_scales=True),
-    "rowwise": jmp_policy.Float8Recipe("rowwise"),
-    "rowwise, 2^k scales": jmp_policy.Float8Recipe("rowwise", power_of_two_scales=True),
+    "tensorwise": R("tensorwise"),
+    "tensorwise, 2^k scales": R("tensorwise", power_of_two_scales=True),
+    "rowwise": R("rowwise"),
+    "rowwise, 2^k scales": R("rowwise", power_of_two_scales=True),
+}
+DISTRIBUTIONS = ("normal", "1e-4", "1e4", "outlier row", "heavy-tailed")
+
+# The runs behind the defaults; "autocast, no fp8" wraps apply like the others but
+# leaves every product out of float8 (to tell autocast's own effect from float8's).
+TRAINING_RUNS: dict[str, Any] = {
+    "mixed_bfloat16": None,
+    "autocast, no fp8": R(min_size=2**31),
+    "tensorwise": "tensorwise",
+    "rowwise": "rowwise",
+    "tensorwise, head fp8": R("tensorwise", exclude=()),
+    "rowwise, head fp8": R("rowwise", exclude=()),
+    "tensorwise, 2^k scales": R("tensorwise", power_of_two_scales=True),
+    "rowwise, 2^k scales": R("rowwise", power_of_two_scales=True),
+    "tensorwise, bf16 weight grad": R("tensorwise", float8_weight_gradient=False),
+    "rowwise, bf16 weight grad": R("rowwise", float8_weight_gradient=False),
+    "tensorwise, batched=False": R("tensorwise", batched=False),
+    "rowwise, batched=False": R("rowwise", batched=False),
 }
 
 
-# --- accuracy --------------------------------------------------------------------------
+# --- accuracy ----------------------------------------------------------------------------
 
 def operands(kind: str, m: int = 256, k: int = 512, n: int = 256):
-    """``(x, w, cotangent, rows)``: a product's operands, the gradient reaching it and the
+    """``(x, w, cotangent, rows)``: a product's operands, the gradient reaching it, and the
     output rows the error is measured on."""
     keys = jax.random.split(jax.random.key(0), 3)
     x, w, ct = (jax.random.normal(key, shape) for key, shape in zip(keys, [(m, k), (k, n), (m, n)]))
     rows = slice(None)
     if kind in ("1e-4", "1e4"):
-        s = float(kind)
-        x, w, ct = x * s, w * s, ct * s
+        x, w, ct = (a * float(kind) for a in (x, w, ct))
     elif kind == "outlier row":
-        x = x.at[0].multiply(1e4)
-        rows = slice(1, None)
+        x, rows = x.at[0].multiply(1e4), slice(1, None)
     elif kind == "heavy-tailed":
-        tails = [jnp.exp(2 * jax.random.normal(key, a.shape))
-                 for key, a in zip(jax.random.split(jax.random.key(1), 3), (x, w, ct))]
-        x, w, ct = (a * t for a, t in zip((x, w, ct), tails))
+        keys = jax.random.split(jax.random.key(1), 3)
+        x, w, ct = (a * jnp.exp(2 * jax.random.normal(key, a.shape))
+                    for a, key in zip((x, w, ct), keys))
     return x, w, ct, rows
 
 
@@ -75,25 +104,28 @@ def rel_error(got: Any, want: Any) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-def accuracy(kinds=("normal", "1e-4", "1e4", "outlier row", "heavy-tailed")) -> list[dict]:
-    rows = []
-    for kind in kinds:
-        x, w, ct, sel = operands(kind)
+def accuracy(table: harness.Table, size: tuple[int, int, int]) -> None:
+    for kind in DISTRIBUTIONS:
+        x, w, ct, sel = operands(kind, *size)
         want, vjp = jax.vjp(jnp.matmul, x, w)
         want_dx, want_dw = vjp(ct)
-        for name, recipe in RECIPES.items():
+        for name, recipe in ACCURACY_RECIPES.items():
             policy = "mixed_bfloat16" if recipe is None else "float32"
             f = jmp_policy.autocast(jnp.matmul, policy, fp8=recipe)
-            got, vjp = jax.jit(lambda x, w: jax.vjp(f, x, w))(x, w)
-            dx, dw = jax.jit(vjp)(ct.astype(got.dtype))
-            rows.append(dict(operands=kind, recipe=name,
-                             forward=rel_error(got[sel], want[sel]),
-                             grad_x=rel_error(dx[sel], want_dx[sel]),
-                             grad_w=rel_error(dw, want_dw)))
-    return rows
+            out, dx, dw = jax.jit(lambda x, w, ct: (lambda o, vjp: (o, *vjp(ct.astype(o.dtype))))(
+                *jax.vjp(f, x, w)))(x, w, ct)
+            table.add_row(f"{kind}: {name}", {
+                "forward": rel_error(out[sel], want[sel]),
+                "grad_x": rel_error(dx[sel], want_dx[sel]),
+                "grad_w": rel_error(dw, want_dw)})
 
 
-# --- compile time --------------------------------------------------------------------------
+ACCURACY_COLUMNS = [harness.Column("forward", "forward", "", ratio=False),
+                    harness.Column("grad_x", "gradient of x", "", ratio=False),
+                    harness.Column("grad_w", "gradient of w", "", ratio=False)]
+
+
+# --- compile cost ------------------------------------------------------------------------
 
 def layer_norm(x, g):
     mu = x.mean(-1, keepdims=True)
@@ -101,13 +133,12 @@ def layer_norm(x, g):
 
 
 def lm_loss(p, tokens, heads=4):
-    """A 2-block transformer LM in plain JAX, named scopes as Flax would give them."""
-    b, t = tokens.shape
+    """A transformer LM in plain JAX, under the named scopes Flax would give it."""
+    b, t = tokens.shape[0], tokens.shape[1] - 1
     x = p["emb"][tokens[:, :-1]]
-    t -= 1
+    d = x.shape[-1]
     for i, blk in enumerate(p["blocks"]):
         with jax.named_scope(f"block_{i}"):
-            d = x.shape[-1]
             q, k, v = jnp.split(layer_norm(x, blk["g1"]) @ blk["qkv"], 3, axis=-1)
             q, k, v = (a.reshape(b, t, heads, d // heads) for a in (q, k, v))
             s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // heads)
@@ -121,16 +152,16 @@ def lm_loss(p, tokens, heads=4):
         logits.astype(jnp.float32), tokens[:, 1:]).mean()
 
 
-def lm_params(d=128, vocab=256, layers=2):
+def lm_params(d: int, vocab: int = 256, layers: int = 2):
     keys = iter(jax.random.split(jax.random.key(0), 4 * layers + 2))
-    n = lambda shape: jax.random.normal(next(keys), shape) * shape[0] ** -0.5
+    n = lambda shape: jax.random.normal(next(keys), shape) * shape[0] ** -0.5  # noqa: E731
     blocks = [dict(qkv=n((d, 3 * d)), proj=n((d, d)), w1=n((d, 4 * d)), w2=n((4 * d, d)),
                    g1=jnp.ones(d), g2=jnp.ones(d)) for _ in range(layers)]
     return dict(emb=n((vocab, d)), blocks=blocks, g=jnp.ones(d), head=n((d, vocab)))
 
 
 def make_step(fp8: Optional[str]) -> Callable[..., Any]:
-    """A fresh jitted train step (new function objects: no trace or compile cache hits)."""
+    """A fresh train step (a fresh autocast wrapper: nothing comes from its trace cache)."""
     loss_fn = jmp_policy.autocast(lambda p, t: lm_loss(p, t), "mixed_bfloat16", fp8=fp8)
     tx = optax.adamw(1e-3)
 
@@ -139,116 +170,122 @@ def make_step(fp8: Optional[str]) -> Callable[..., Any]:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return jax.jit(step)
+    return step
 
 
-def count_stablehlo_ops(text: str) -> int:
-    return (len(re.findall(r"=\s*\"?stablehlo\.", text))
-            + len(re.findall(r"^\s*stablehlo\.", text, re.M)))
+def lowered_figures(build: harness.Build) -> dict:
+    text = build.lowered.as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    return {"stablehlo_ops": harness.count_stablehlo_ops(text),
+            "float8_dots": sum(": (tensor<" in d and "xf8" in d.split(" : ")[-1] for d in dots)}
 
 
-def count_hlo_instructions(text: str) -> int:
-    return sum(1 for line in text.splitlines() if re.match(r"\s*(ROOT\s+)?%?[\w.\-]+ = ", line))
+COMPILE_COLUMNS = [
+    harness.Column("lower_s", "trace + lower", "s"),
+    harness.Column("compile_s", "XLA compile", "s"),
+    harness.Column("stablehlo_ops", "StableHLO ops", "count"),
+    harness.Column("float8_dots", "float8 dot_generals", "count", ratio=False),
+    harness.Column("hlo_instructions", "HLO instructions", "count"),
+    harness.Column("top_level_ops", "top-level ops", "count"),
+]
 
 
-def count_float8_dots(stablehlo: str) -> int:
-    """``dot_general`` ops of the lowered module whose operands are float8."""
-    return sum(1 for line in stablehlo.splitlines()
-               if "stablehlo.dot_general" in line and re.search(r":\s*\(tensor<[^>]*xf8", line))
-
-
-def compile_once(fp8, args):
-    step = make_step(fp8)
-    t0 = time.perf_counter()
-    lowered = step.trace(*args).lower()
-    t1 = time.perf_counter()
-    compiled = lowered.compile()
-    return t1 - t0, time.perf_counter() - t0, lowered, compiled
-
-
-def compile_costs(repeats: int) -> list[dict]:
-    params = lm_params()
-    tokens = jax.random.randint(jax.random.key(1), (16, 65), 0, 256)
+def compile_cost(report: harness.Report, a: argparse.Namespace) -> None:
+    params = lm_params(a.width)
+    tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq + 1), 0, 256)
     args = (params, optax.adamw(1e-3).init(params), tokens)
-    kinds = (None, "tensorwise", "rowwise")
-    for fp8 in kinds:
-        compile_once(fp8, args)  # warm-up: JAX's own caches, imports
-    times: dict[Any, list] = {k: [] for k in kinds}
-    last = {}
-    for _ in range(repeats):
-        for fp8 in kinds:
-            trace, total, lowered, compiled = compile_once(fp8, args)
-            times[fp8].append((trace, total))
-            last[fp8] = (lowered, compiled)
-    rows = []
-    for fp8 in kinds:
-        lowered, compiled = last[fp8]
-        hlo = compiled.as_text()
-        traces, totals = zip(*times[fp8])
-        rows.append(dict(
-            step="bfloat16" if fp8 is None else f"fp8 {fp8}",
-            trace_lower_s=min(traces), compile_s=min(totals),
-            compile_median_s=statistics.median(totals),
-            stablehlo_ops=count_stablehlo_ops(lowered.as_text()),
-            hlo_instructions=count_hlo_instructions(hlo),
-            float8_dots=count_float8_dots(lowered.as_text()),
-            loss=float(compiled(*args)[2])))
-    base = rows[0]
-    for r in rows:
-        for key in ("compile_s", "compile_median_s", "stablehlo_ops", "hlo_instructions"):
-            r[key.replace("_s", "") + "_ratio"] = r[key] / base[key]
-    return rows
+    cases = [harness.Case("bfloat16" if k is None else f"fp8 {k}", make_step(k), args, carry=2,
+                          extra=lowered_figures, make_fn=lambda k=k: make_step(k))
+             for k in (None, "tensorwise", "rowwise")]
+    rows, failed = harness.measure(cases, compile_rounds=a.compile_rounds, wall=False)
+    desc = (f"transformer LM, 2 blocks, d_model {a.width}, seq {a.seq}, batch {a.batch}, AdamW, "
+            "under autocast mixed_bfloat16")
+    table = report.table("compile", "float8 train step against the bfloat16 one: compile cost",
+                         baseline="bfloat16", columns=COMPILE_COLUMNS, description=desc)
+    table.add_rows(rows)
+    report.failed(failed)
 
 
-# --- output ------------------------------------------------------------------------------
+# --- training ------------------------------------------------------------------------------
 
-def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    """``columns``: (title, key, format)."""
-    cells = [[t for t, _, _ in columns]] + [[format(r[k], f) for _, k, f in columns] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
+def load_example() -> Any:
+    """``examples/transformer_lm.py``, loaded by path."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples",
+                        "transformer_lm.py")
+    spec = importlib.util.spec_from_file_location("transformer_lm", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
-def main(argv=None) -> None:
+TRAINING_COLUMNS = [
+    harness.Column("held_out_bpb", "held-out loss", "bits/byte"),
+    harness.Column("train_bpb", "training loss, last steps", "bits/byte"),
+]
+
+
+def training(report: harness.Report, a: argparse.Namespace) -> None:
+    lm = load_example()
+    text = lm.load_text()
+    config = lm.Config() if not a.quick else lm.Config(d_model=16, heads=1, layers=1, seq_len=16)
+    runs = TRAINING_RUNS if not a.quick else dict(list(TRAINING_RUNS.items())[:3])
+    samples: dict[str, dict[str, list[float]]] = {n: {"held_out_bpb": [], "train_bpb": []}
+                                                 for n in runs}
+    for seed in a.seeds:  # seed by seed, so that a run cut short has whole seeds
+        for name, fp8 in runs.items():
+            r = lm.train("mixed_bfloat16", steps=a.steps, seed=seed, config=config, text=text,
+                         fp8=fp8)
+            samples[name]["held_out_bpb"].append(r["test_bits_per_byte"])
+            samples[name]["train_bpb"].append(float(np.mean(r["losses"][-a.tail:])) / math.log(2))
+            print(f"  seed {seed} {name}: held-out {r['test_bits_per_byte']:.4f}", flush=True)
+    table = report.table(
+        "training", "byte-level transformer LM: float8 recipes against mixed_bfloat16",
+        baseline="mixed_bfloat16", columns=TRAINING_COLUMNS,
+        description=(f"examples/transformer_lm.py, {a.steps} steps, seeds {a.seeds}, means over "
+                     f"the seeds; training loss: mean of the last {a.tail} steps"))
+    for name, s in samples.items():
+        table.add_row(name, {k: float(np.mean(v)) for k, v in s.items()}, samples=s)
+
+
+# --- main ------------------------------------------------------------------------------------
+
+def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", help="write the results to this path as JSON")
-    parser.add_argument("--skip-compile", action="store_true", help="accuracy table only")
-    args = parser.parse_args(argv)
-
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}\n")
-    acc = accuracy()
-    print("Relative error against float32 (one 256x512x256 product and its two backward "
-          "products; outlier row: error on the other rows)\n")
-    print(table(acc, [("operands", "operands", ""), ("recipe", "recipe", ""),
-                      ("forward", "forward", ".4f"), ("grad x", "grad_x", ".4f"),
-                      ("grad w", "grad_w", ".4f")]))
-    costs = []
-    if not args.skip_compile:
-        costs = compile_costs(args.repeats)
-        print(f"\nTrain step (2-block transformer LM, d_model 128, AdamW) under autocast "
-              f"mixed_bfloat16: best of {args.repeats} fresh compiles (median)\n")
-        for r in costs:
-            r["compile"] = f"{r['compile_s']:.2f} ({r['compile_median_s']:.2f})"
-        print(table(costs, [("step", "step", ""), ("trace+lower s", "trace_lower_s", ".2f"),
-                            ("+compile s", "compile", ""), ("x bf16", "compile_ratio", ".2f"),
-                            ("x bf16 median", "compile_median_ratio", ".2f"),
-                            ("StableHLO ops", "stablehlo_ops", "d"),
-                            ("x bf16 ", "stablehlo_ops_ratio", ".2f"),
-                            ("HLO instrs", "hlo_instructions", "d"),
-                            ("x bf16  ", "hlo_instructions_ratio", ".2f"),
-                            ("float8 dots", "float8_dots", "d")]))
-        for r in costs:
-            r.pop("compile")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"jax": jax.__version__, "device": str(jax.devices()[0]),
-                       "accuracy": acc, "compile": costs}, f, indent=1)
-        print(f"\nwrote {args.json}")
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--training", action="store_true",
+                        help="train the example LM per recipe instead (bench_fp8_training.json)")
+    parser.add_argument("--steps", type=int, default=2000, help="training steps per run")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--tail", type=int, default=300, help="training-loss steps averaged")
+    harness.add_common_arguments(parser, compile_rounds=5)
+    a = parser.parse_args(argv)
+    if a.quick:
+        a.width, a.seq, a.batch, a.compile_rounds = 32, 16, 4, 1
+        a.steps, a.seeds, a.tail = 3, [0], 2
+    name = "bench_fp8_training" if a.training else "bench_fp8"
+    report = harness.Report(name, __doc__.splitlines()[0], vars(a), argv)
+    print(f"jax {jax.__version__} on {jax.default_backend()}", flush=True)
+    if a.training:
+        training(report, a)
+    else:
+        size = (256, 512, 256) if not a.quick else (32, 64, 32)
+        table = report.table(
+            "accuracy", "relative error of one product and its two backward products",
+            baseline=None, columns=ACCURACY_COLUMNS,
+            description=f"{'x'.join(map(str, size))} product; operands: recipe")
+        accuracy(table, size)
+        compile_cost(report, a)
+    for t in report.tables:
+        print(f"\n{t.title}\n\n{harness.render_table(t.to_json())}")
+    path = a.json or harness.default_json_path(name, a.quick)
+    report.write(path)
+    print(f"\nwrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

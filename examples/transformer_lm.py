@@ -296,13 +296,25 @@ def main(argv=None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
+    fp8_runs = [r for r in results if r["run"] != jmp_policy.Policy(r["policy"]).name]
+    fig, axes = plt.subplots(1, 3 if fp8_runs else 2, figsize=(16.5 if fp8_runs else 11, 4))
+    ax_loss, ax_scale = axes[:2]
     for r in results:
         ax_loss.plot(np.asarray(r["losses"]) / math.log(2), label=r["run"])
         ax_scale.plot(r["loss_scales"], label=r["run"])
     ax_loss.set(title="training loss", xlabel="step", ylabel="bits per byte")
     ax_scale.set(title="loss scale", xlabel="step", yscale="log")
-    for ax in (ax_loss, ax_scale):
+    if fp8_runs:  # the float8 curves overlap the others: show their difference, smoothed
+        base, window = results[0], max(1, args.steps // 20)
+        smooth = lambda r: np.convolve(np.asarray(r["losses"]) / math.log(2),  # noqa: E731
+                                       np.ones(window) / window, mode="valid")
+        for r in fp8_runs:  # in the colours of the first panel
+            axes[2].plot(np.arange(window - 1, args.steps), smooth(r) - smooth(base),
+                         label=r["run"], color=f"C{results.index(r)}")
+        axes[2].axhline(0, color="black", lw=0.8)
+        axes[2].set(title=f"float8 runs minus {base['run']} (mean of {window} steps)",
+                    xlabel="step", ylabel="training loss difference (bits per byte)")
+    for ax in axes:
         ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()
