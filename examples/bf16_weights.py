@@ -23,7 +23,9 @@ loses them (``--digits-lr``, ``--lm-lr``). The script prints one table per
 task (test metric, difference from the float32 master run, bytes per
 parameter, XLA's memory account of one step, steps/s), checks each method
 against the tolerances, and writes ``results.json`` and ``bf16_weights.png``
-to ``--out`` (default ``results/bf16_weights/``).
+to ``--out`` (default ``results/bf16_weights/``). ``--report PATH`` also
+writes the tables as a benchmark report (``benchmarks/harness.py``'s JSON
+schema), which the documentation renders.
 """
 
 from __future__ import annotations
@@ -328,6 +330,37 @@ def plot(tasks: List[Task], results: Dict[str, List[Dict[str, Any]]], path: str)
     plt.close(fig)
 
 
+def write_report(path: str, tasks: List[Task], results: Dict[str, List[Dict[str, Any]]],
+                 settings: Dict[str, Any], notes: List[str], argv: Optional[List[str]]) -> None:
+    """The tables as a ``benchmarks/harness.py`` report (loaded by path: not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "_bf16_weights_harness", os.path.join(HERE, os.pardir, "benchmarks", "harness.py"))
+    harness = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = harness  # its dataclasses look their module up
+    spec.loader.exec_module(harness)
+    report = harness.Report("bf16_weights", __doc__.split("\n")[0], settings, argv)
+    for task in tasks:
+        unit = "pp" if task.higher_is_better else "%"
+        columns = [harness.Column("bytes_per_param", "bytes/param", ""),
+                   harness.Column("metric", task.metric, ""),
+                   harness.Column("gap", f"worse than float32 master by ({unit})", ""),
+                   harness.Column("final_loss", "final train loss", ""),
+                   harness.Column("step_memory_bytes", "step memory (XLA)", "bytes", ratio=False)]
+        steps = len(results[task.name][0]["losses"])
+        lr = settings["learning_rates"][task.name]
+        table = report.table(task.name, f"{task.name}: bfloat16 weights and moments", columns=columns,
+                             baseline=REFERENCE, description=f"{steps} steps, learning rate {lr:g}")
+        reference = next(r["metric"] for r in results[task.name] if r["recipe"] == REFERENCE)
+        for r in results[task.name]:
+            table.add_row(r["recipe"], {
+                "bytes_per_param": r["bytes_per_param"], "metric": r["metric"],
+                "gap": relative_gap(task, r["metric"], reference), "final_loss": r["final_loss"],
+                "step_memory_bytes": r["step_memory_bytes"]})
+    for note in notes:
+        report.note(note)
+    report.write(path)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", nargs="+", default=["digits", "lm"], choices=["digits", "lm"])
@@ -339,6 +372,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="recipe names (quote them), the first being the reference")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join("results", "bf16_weights"))
+    parser.add_argument("--report", default=None,
+                        help="also write the tables as a benchmark report (JSON) here")
     args = parser.parse_args(argv)
     recipes = [r for r in RECIPES if r.name in args.recipes]
     if not recipes or recipes[0].name != REFERENCE:
@@ -369,6 +404,11 @@ def main(argv: Optional[List[str]] = None) -> None:
                    "learning_rates": {t.name: defaults[t.name][1] for t in tasks},
                    "tolerances": TOLERANCE, "checks": lines, "results": results}, f, indent=1)
     plot(tasks, results, os.path.join(args.out, "bf16_weights.png"))
+    if args.report:
+        learning_rates = {t.name: defaults[t.name][1] for t in tasks}
+        write_report(args.report, tasks, results, {**vars(args), "learning_rates": learning_rates},
+                     lines, argv)
+        print(f"wrote {args.report}")
     print(f"\nwrote {os.path.join(args.out, 'results.json')} and "
           f"{os.path.join(args.out, 'bf16_weights.png')}")
 

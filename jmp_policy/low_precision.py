@@ -138,8 +138,10 @@ def low_precision_params(
         2 bytes per bfloat16 parameter), ``"stochastic"`` (stochastic
         rounding; no buffer) or ``"split"`` (the low 16 bits of each float32
         weight: 2 bytes; bfloat16 parameters only).
-      seed: for ``"stochastic"``, an int or a PRNG key from which the rounding
-        is drawn; training is reproducible from it.
+      seed: for ``"stochastic"``, an int or a PRNG key. The state holds the
+        key; each step splits it and rounds with bits drawn from the new key
+        (16 per element, hashed from its index), so training is reproducible
+        from the seed and no two steps round alike.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs
