@@ -2,16 +2,24 @@
 
     python examples/train_digits.py                # ~1 min on a laptop CPU
     python examples/train_digits.py --steps 50 --out /tmp/digits
+    python examples/train_digits.py --loss-weight 1e-6 \
+        --policies float32 "mixed_float16,loss_scale=none" mixed_float16   # float16 underflow
 
 Runs float32, mixed_bfloat16, and mixed_float16 with dynamic loss scaling on the
-same data, seed and number of steps, then prints a table (test accuracy, steps/s,
-skipped steps, final loss scale, memory of one train step) and writes
-``results.json`` and ``digits.png`` (loss curves and the loss-scale trajectory)
-to ``--out`` (default ``results/train_digits/``). The data (1797 8x8 images)
-ships inside scikit-learn: no download.
+same data, seed and number of steps, then prints a table (test accuracy, final
+loss, fraction of exactly-zero gradient entries, skipped steps, final loss
+scale) and writes ``results.json`` and ``digits.png`` to ``--out`` (default
+``results/train_digits/``). The plot has three panels: training loss, test
+accuracy during training, and the loss scale of the runs that scale the loss,
+with the skipped steps marked. The dynamic loss scale runs with a short
+``--loss-scale-period`` (50 finite steps before it doubles; the library's
+default is 2000) so that 600 steps show its schedule: it grows until a step
+overflows, that step is skipped, and the scale halves. The data (1797 8x8
+images) ships inside scikit-learn: no download.
 
-The train step is the one of the jmp_policy README: layers get the policy's
-dtypes through ``jmp_policy.flax.module_kwargs``, the optimizer is wrapped in
+Layers get the policy's dtypes through ``jmp_policy.flax.module_kwargs``
+(the Flax way; the documentation's Getting started page compares it with
+``autocast`` and ``Policy.wrap``), the optimizer is wrapped in
 ``jmp_policy.loss_scaling`` (which reads the loss scale from the policy:
 dynamic for float16, none for bfloat16 and float32), and gradients come from
 ``jmp_policy.scaled_value_and_grad``.
@@ -23,7 +31,8 @@ import argparse
 import functools
 import json
 import os
-import time
+import shlex
+import sys
 from typing import Any, Dict, Optional
 
 import flax.linen as nn
@@ -120,7 +129,7 @@ def train(
     loss_weight: float = 1.0,
     data: Optional[tuple] = None,
     progress: bool = False,
-    measure_memory: bool = False,
+    eval_every: int = 0,
 ) -> Dict[str, Any]:
     """Trains the CNN under ``policy``; returns metrics and per-step curves.
 
@@ -128,6 +137,8 @@ def train(
     accepts (``None``: no scaling, a number, a `DynamicLossScale`...).
     ``loss_weight`` multiplies the loss (as an auxiliary-loss weight would);
     Adam is invariant to it, so only precision problems change the outcome.
+    ``eval_every``: also measure test accuracy every that many steps (0: at
+    the end only).
     """
     policy = jmp_policy.Policy(policy)
     x_train, x_test, y_train, y_test = data if data is not None else load_data()
@@ -138,6 +149,7 @@ def train(
     params = jax.jit(model.init)(jax.random.key(seed), jnp.zeros((1, 8, 8, 1)))["params"]
     opt_state = jax.jit(tx.init)(params)
     initial_params = params
+    initial_loss_scale = float(opt_state.loss_scale.loss_scale)
 
     rng = np.random.RandomState(seed)
     order = np.concatenate([rng.permutation(len(x_train))
@@ -147,75 +159,67 @@ def train(
         idx = order[i * batch_size:(i + 1) * batch_size]
         return x_train[idx], y_train[idx]
 
-    step_bytes = None
-    if measure_memory:
-        # Compile ahead of time to read XLA's memory account, and train with that
-        # executable (calling the jitted function would compile a second time).
-        train_step = train_step.lower(params, opt_state, *batch(0)).compile()
-        step_bytes = _step_bytes(train_step)
-
-    losses, scales, zero_fractions = [], [], []
+    losses, scales, zero_fractions, finite = [], [], [], []
+    accuracy_curve = []
+    x_test_dev, y_test_dev = jnp.asarray(x_test), jnp.asarray(y_test)
     bar = range(steps)
     if progress:
         from tqdm import tqdm
         bar = tqdm(bar, desc=f"{policy.name:>15}", leave=True)
-    start = None
     for i in bar:
-        if i == 1:  # time from the second step: the first one compiles
-            jax.block_until_ready(params)
-            start = time.perf_counter()
         params, opt_state, loss, zero_fraction = train_step(params, opt_state, *batch(i))
         losses.append(loss)
-        scales.append(jmp_policy.get_loss_scale(opt_state).loss_scale)
+        scales.append(opt_state.loss_scale.loss_scale)
+        finite.append(opt_state.grads_finite)
         zero_fractions.append(zero_fraction)
-    jax.block_until_ready(params)
-    elapsed = time.perf_counter() - start if start is not None else float("nan")
+        if eval_every and (i + 1) % eval_every == 0 and i + 1 < steps:
+            accuracy_curve.append((i + 1, accuracy(params, x_test_dev, y_test_dev)))
+    accuracy_curve.append((steps, accuracy(params, x_test_dev, y_test_dev)))
 
-    state = optax.tree_utils.tree_get(opt_state, "skipped_steps")
     losses = [float(l) / loss_weight for l in losses]
     return {
         "policy": str(policy),
+        "loss_scale": _describe(opt_state.loss_scale),
         "steps": steps,
-        "test_accuracy": float(accuracy(params, x_test, y_test)),
-        "steps_per_s": (steps - 1) / elapsed if steps > 1 else float("nan"),
-        "skipped_steps": int(state),
+        "test_accuracy": float(accuracy_curve[-1][1]),
+        "skipped_steps": int(opt_state.skipped_steps),
+        "initial_loss_scale": initial_loss_scale,
         "final_loss_scale": float(scales[-1]),
-        "step_memory_bytes": step_bytes,
-        "peak_device_bytes": _peak_device_bytes(),
         "final_loss": float(np.mean(losses[-20:])),
         "params_finite": bool(jax.jit(jmp_policy.all_finite)(params)),
         "param_change": float(_distance(params, initial_params)),
         "zero_grad_fraction": float(np.mean([float(z) for z in zero_fractions])),
         "losses": losses,
         "loss_scales": [float(s) for s in scales],
+        "skipped_at": [i for i, f in enumerate(finite) if not bool(f)],
+        "accuracy_curve": [[step, float(a)] for step, a in accuracy_curve],
     }
 
 
-def _step_bytes(compiled) -> Optional[int]:
-    """XLA's own account of one step's memory: arguments + outputs + temporaries."""
-    memory = compiled.memory_analysis()
-    if memory is None:
-        return None
-    return int(memory.argument_size_in_bytes + memory.output_size_in_bytes
-               + memory.temp_size_in_bytes)
+def _describe(loss_scale: Any) -> str:
+    if isinstance(loss_scale, jmp_policy.DynamicLossScale):
+        return f"dynamic, period {loss_scale.period}"
+    if isinstance(loss_scale, jmp_policy.StaticLossScale):
+        return f"static {float(loss_scale.loss_scale):g}"
+    return "none"
 
 
-def _peak_device_bytes() -> Optional[int]:
-    stats = jax.local_devices()[0].memory_stats()  # None on CPU
-    return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None
-
-
-def _fmt_bytes(n: Optional[int]) -> str:
-    return "n/a" if n is None else f"{n / 2**20:.2f} MiB"
+def with_period(policy: Any, period: int) -> Any:
+    """``policy``'s own loss scale with another ``period`` (when it is dynamic)."""
+    loss_scale = jmp_policy.Policy(policy).loss_scale
+    if not isinstance(loss_scale, jmp_policy.DynamicLossScale):
+        return _FROM_POLICY
+    return jmp_policy.DynamicLossScale(
+        loss_scale.loss_scale, period=period, factor=loss_scale.factor,
+        min_loss_scale=loss_scale.min_loss_scale, max_loss_scale=loss_scale.max_loss_scale)
 
 
 def table(results) -> str:
-    header = ("policy", "test acc", "final loss", "zero grads", "steps/s", "skipped", "final scale",
-              "step memory", "peak device")
-    rows = [(r["policy"], f"{100 * r['test_accuracy']:.2f}%", f"{r['final_loss']:.4f}",
-             f"{100 * r['zero_grad_fraction']:.1f}%", f"{r['steps_per_s']:.1f}",
-             str(r["skipped_steps"]), f"{r['final_loss_scale']:g}",
-             _fmt_bytes(r["step_memory_bytes"]), _fmt_bytes(r["peak_device_bytes"]))
+    header = ("policy", "loss scaling", "test acc", "final loss", "zero grads", "skipped",
+              "final scale")
+    rows = [(r["policy"], r["loss_scale"], f"{100 * r['test_accuracy']:.2f}%",
+             f"{r['final_loss']:.4f}", f"{100 * r['zero_grad_fraction']:.1f}%",
+             str(r["skipped_steps"]), f"{r['final_loss_scale']:g}")
             for r in results]
     widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
     line = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"
@@ -223,24 +227,74 @@ def table(results) -> str:
     return "\n".join([line(header), sep] + [line(r) for r in rows])
 
 
-def plot(results, path: str) -> None:
+# One look per run, so that curves stay apart where they overlap: colour, line
+# style and marker all differ, and markers are staggered between runs.
+STYLES = [dict(color="#1f77b4", linestyle="-", marker="o"),
+          dict(color="#ff7f0e", linestyle="--", marker="s"),
+          dict(color="#2ca02c", linestyle=":", marker="^", linewidth=2.2),
+          dict(color="#d62728", linestyle="-.", marker="D")]
+
+
+def _label(r: Dict[str, Any]) -> str:
+    name = r["policy"].split(",loss_scale=")[0]
+    if r["loss_scale"] == "none":
+        return name if name == r["policy"] else f"{name} (no loss scaling)"
+    return f"{name} ({r['loss_scale']})"
+
+
+def plot(results, path: str, title: str = "") -> None:
+    """Loss and test accuracy of each run (top), loss scale of the scaled runs (bottom)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in results:
+    fig = plt.figure(figsize=(10, 7.2))
+    grid = fig.add_gridspec(2, 2, height_ratios=[1.15, 1])
+    ax_loss, ax_acc = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
+    ax_scale = fig.add_subplot(grid[1, :])
+    unscaled, lowest = [], 100.0
+    for k, r in enumerate(results):
+        style = STYLES[k % len(STYLES)]
+        label = _label(r)
         losses = np.asarray(r["losses"])
         window = max(1, len(losses) // 50)
         smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
-        ax_loss.plot(smooth, label=r["policy"])
-        ax_scale.plot(r["loss_scales"], label=r["policy"])
+        steps = np.arange(len(smooth)) + window
+        marks = max(1, len(smooth) // 8)
+        ax_loss.plot(steps, smooth, label=label, markevery=(k * marks // len(results), marks),
+                     markersize=5, **style)
+        acc_steps, acc = np.asarray(r["accuracy_curve"]).T
+        ax_acc.plot(acc_steps, 100 * acc, label=label, markersize=4, **style)
+        lowest = min(lowest, 100 * float(acc.min()))
+        if r["loss_scale"] == "none":
+            unscaled.append(label)
+        else:
+            # The scale in force during each step: the initial one, then after each step.
+            scales = np.asarray([r["initial_loss_scale"]] + r["loss_scales"])
+            ax_scale.plot(np.arange(len(scales)), scales, label=label, drawstyle="steps-post",
+                          **{**style, "marker": None, "linestyle": "-"})
+            skipped = np.asarray(r["skipped_at"], dtype=int)
+            if skipped.size:  # at the scale that overflowed, where it is halved
+                ax_scale.plot(skipped + 1, scales[skipped], linestyle="none", marker="x",
+                              markersize=8, color="black",
+                              label=f"skipped step ({skipped.size})")
     ax_loss.set(title="training loss (moving average)", xlabel="step", ylabel="cross-entropy",
                 yscale="log")
-    ax_scale.set(title="loss scale", xlabel="step", ylabel="scale", yscale="log")
-    for ax in (ax_loss, ax_scale):
-        ax.legend()
+    ax_acc.set(title="test accuracy", xlabel="step", ylabel="%",
+               ylim=(max(0.0, 10 * np.floor(lowest / 10) - 5), 100.5))
+    ax_scale.set(title="loss scale (x: a skipped step, its gradients were not finite)",
+                 xlabel="step", ylabel="scale")
+    ax_scale.set_yscale("log", base=2)
+    if unscaled:
+        ax_scale.text(0.99, 0.04, "no loss scaling: " + ", ".join(unscaled),
+                      transform=ax_scale.transAxes, ha="right", va="bottom", color="gray",
+                      fontsize=9)
+    for ax in (ax_loss, ax_acc, ax_scale):
         ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=9)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -256,18 +310,29 @@ def main(argv=None) -> None:
                         help="policy names, e.g. 'mixed_float16,loss_scale=none'")
     parser.add_argument("--loss-weight", type=float, default=1.0,
                         help="multiply the loss (1e-6 shows float16 underflow)")
+    parser.add_argument("--loss-scale-period", type=int, default=50,
+                        help="finite steps before a dynamic loss scale grows (library "
+                             "default: 2000; short here so that the plot shows the schedule)")
+    parser.add_argument("--eval-every", type=int, default=25,
+                        help="measure test accuracy every that many steps")
     args = parser.parse_args(argv)
 
     data = load_data(args.seed)
     results = [train(p, steps=args.steps, seed=args.seed, data=data, progress=True,
-                     measure_memory=True, loss_weight=args.loss_weight)
+                     loss_weight=args.loss_weight, eval_every=args.eval_every,
+                     loss_scale=with_period(p, args.loss_scale_period))
                for p in args.policies]
     print()
     print(table(results))
     os.makedirs(args.out, exist_ok=True)
+    command = "python examples/train_digits.py " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"device": str(jax.devices()[0]), "results": results}, f, indent=1)
-    plot(results, os.path.join(args.out, "digits.png"))
+        json.dump({"command": command.strip(), "device": str(jax.devices()[0]),
+                   "jax": jax.__version__, "results": results}, f, indent=1)
+    title = (f"digits CNN, {args.steps} steps, batch 64"
+             + (f", loss x {args.loss_weight:g}" if args.loss_weight != 1 else ""))
+    plot(results, os.path.join(args.out, "digits.png"), title)
     print(f"\nwrote {os.path.join(args.out, 'results.json')} and "
           f"{os.path.join(args.out, 'digits.png')}")
 
