@@ -130,7 +130,7 @@ def _table(payload: dict[str, Any], table: dict[str, Any], level: str = "####") 
     out = [f"{level} {table['title']}", ""]
     if table.get("description"):
         out += [table["description"], ""]
-    out += [harness.render_table(table), ""]
+    out += ['<div class="benchmark" markdown>', "", harness.render_table(table), "", "</div>", ""]
     if table.get("baseline"):
         out += [f"<small>Ratios are to the baseline row, `{table['baseline']}`, "
                 "measured in the same run.</small>", ""]
@@ -143,10 +143,8 @@ def render_report(payload: dict[str, Any], path: str) -> str:
     if payload.get("description"):
         out += [payload["description"], ""]
     out += [provenance(payload), ""]
-    for note in payload.get("notes", []):
-        out += [f"- {note}"]
     if payload.get("notes"):
-        out.append("")
+        out += ["Notes:", ""] + [f"- {note}" for note in payload["notes"]] + [""]
     for table in payload.get("tables", []):
         out += _table(payload, table)
     if payload.get("failed"):
@@ -299,7 +297,7 @@ def render_api_index() -> str:
             text = f.read()
         title = text.splitlines()[0].lstrip("# ").strip()
         names = re.findall(r"^::: ([\w.]+)", text, flags=re.M)
-        out += [f"## [{title}]({os.path.basename(path)})", "", "| name | |", "|---|---|"]
+        out += [f"## [{title}]({os.path.basename(path)})", "", "| name | summary |", "|---|---|"]
         for full in names:
             obj: Any = package
             try:
