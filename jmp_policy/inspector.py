@@ -45,7 +45,7 @@ from typing import (
 import jax
 import numpy as np
 from jax.core import Tracer
-from jax.extend.core import ClosedJaxpr
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from jmp_policy._dtypes import is_floating_dtype
 from jmp_policy._rules import UnmatchedRuleWarning
@@ -370,29 +370,31 @@ def _trace(fn: Callable[..., Any], leaves: list[Any], treedef: Any, dynamic: lis
         args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
         return fn(*args, **kwargs)
 
+    closed: ClosedJaxpr = jax.make_jaxpr(
+        lambda *v: jax.tree_util.tree_leaves(call(*v)))(*values)
     if wrt is None:
-        closed: ClosedJaxpr = jax.make_jaxpr(
-            lambda *v: jax.tree_util.tree_leaves(call(*v)))(*values)
         return closed
-    _check_scalar(jax.eval_shape(call, *values), name)
+    _check_scalar(closed.out_avals, name)
+    # The gradient is taken of the jaxpr, so that fn is traced once.
+    forward = jaxpr_as_fun(closed)
 
     def value_and_grad(*values: Any) -> list[Any]:
         def of_wrt(*diff: Any) -> Any:
             full = list(values)
             for k, v in zip(wrt, diff):
                 full[k] = v
-            return call(*full)
+            (out,) = forward(*full)
+            return out
 
         out, grads = jax.value_and_grad(of_wrt, argnums=tuple(range(len(wrt))))(
             *[values[k] for k in wrt])
         return [out, *grads]
 
-    closed = jax.make_jaxpr(value_and_grad)(*values)
-    return closed
+    gradient: ClosedJaxpr = jax.make_jaxpr(value_and_grad)(*values)
+    return gradient
 
 
-def _check_scalar(out: Any, name: str) -> None:
-    leaves = jax.tree_util.tree_leaves(out)
+def _check_scalar(leaves: Sequence[Any], name: str) -> None:
     if len(leaves) == 1 and leaves[0].shape == () and is_floating_dtype(leaves[0].dtype):
         return
     got = (f"{len(leaves)} values" if len(leaves) != 1

@@ -42,6 +42,7 @@ one equation at one call site.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from typing import Any, Callable, Literal, Optional, Sequence
@@ -106,6 +107,7 @@ VALUE_PRESERVING = frozenset({
 _REMAT_SCOPE = "rematted_computation"
 
 
+@functools.lru_cache(maxsize=4096)
 def display_scope(path: str) -> str:
     """A name-stack path as users wrote it: ``/``-joined scope names, JAX's wrappers removed.
 
@@ -128,6 +130,7 @@ def display_scope(path: str) -> str:
     return "/".join(names)
 
 
+@functools.lru_cache(maxsize=4096)
 def phase_of(path: str) -> Literal["forward", "backward"]:
     """``"backward"`` for equations JAX's transposition wrote, recomputations aside."""
     backward = "transpose(" in path and _REMAT_SCOPE not in path.split("/")
@@ -189,10 +192,11 @@ def _rescale(scale: jax.Array, common: jax.Array) -> jax.Array:
 
 def combine(a: Stats, b: Stats) -> Stats:
     """The statistics of two evaluations of one row, as if of one."""
-    common = jnp.maximum(a["err_scale"], b["err_scale"]) if "err_scale" in a else None
-    out: Stats = {}
-    for name, x in a.items():
-        how, y = _REDUCTION[name], b[name]
+    common = jnp.maximum(a["err_scale"], b["err_scale"]) \
+        if "err_scale" in a and "err_scale" in b else None
+    out: Stats = {**a, **b}  # a statistic only one of them has is kept as it is
+    for name in a.keys() & b.keys():
+        how, x, y = _REDUCTION[name], a[name], b[name]
         if how == "sum":
             out[name] = x + y
         elif how == "max":
@@ -256,23 +260,41 @@ def _masked(sink: Sink, low_taken: Any, ref_taken: Any) -> Sink:
             for number, stats in sink.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """A floating result of an equation, waiting for its statistics (see `result_fields`).
+
+    Attributes:
+      number: its row.
+      low: autocast's value.
+      ref: the float32 evaluation's value.
+      local: the local float32 reference, ``None`` where it equals ``low``.
+      tiny: the smallest normal magnitude of the dtype the equation ran in.
+    """
+
+    number: int
+    low: Any
+    ref: Any
+    local: Optional[Any]
+    tiny: float
+
+
 @dataclasses.dataclass
 class Level:
-    """What the equations of one evaluated body record: statistics, and the float32
-    values of the backward pass (binned together when the body ends).
+    """What the equations of one evaluated body record: statistics, the results whose
+    statistics are computed when the body ends (together, see `grouped_stats`), and
+    the float32 values of the backward pass (binned together then too).
 
     Attributes:
       one: a float32 one known only at run time (see `_magnitude_bits`).
       origin: the source location given to every operation that computes
-        statistics. XLA compiles a kernel once for all its identical copies,
-        and copies emitted from different call stacks differ in their
-        locations; one location makes the statistics of same-sized results
-        one kernel to compile.
+        statistics, so that XLA sees copies of one kernel as one.
     """
 
     one: Any
     origin: Any
     sink: Sink = dataclasses.field(default_factory=dict)
+    results: list[Result] = dataclasses.field(default_factory=list)
     gradients: list[jax.Array] = dataclasses.field(default_factory=list)
 
     def inner(self) -> Level:
@@ -285,9 +307,12 @@ class Level:
             merge(self.sink, {number: stats()})
 
     def finish(self) -> Sink:
-        if self.gradients:
-            self.record(HISTOGRAM, lambda: {"hist": histogram(self.gradients, self.one)})
-            self.gradients = []
+        """The statistics of the body, all computed (call it where the body is traced)."""
+        with source_info_util.user_context(self.origin):
+            merge(self.sink, grouped_stats(self.results, self.one))
+            if self.gradients:
+                merge(self.sink, {HISTOGRAM: {"hist": histogram(self.gradients, self.one)}})
+        self.results, self.gradients = [], []
         return self.sink
 
 
@@ -295,12 +320,17 @@ class Level:
 
 @dataclasses.dataclass
 class Packing:
-    """Where `pack` put each statistic: ``(row, name, array, offset)`` entries.
+    """Where `pack` put each statistic, set while the program is traced.
 
-    Set while the program is traced, read when its outputs are unpacked.
+    Attributes:
+      scalars: for each statistic's name, the rows that have it, which of the
+        stacked arrays holds it (by dtype) and at which offsets.
+      others: ``(row, name, array)`` for the statistics that are not scalars.
     """
 
-    entries: list[tuple[int, str, int, int]] = dataclasses.field(default_factory=list)
+    scalars: dict[str, tuple[list[int], int, list[int]]] = dataclasses.field(
+        default_factory=dict)
+    others: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
 
 
 _SCALAR_DTYPES = (np.dtype(np.int32), np.dtype(np.float32))
@@ -309,33 +339,38 @@ _SCALAR_DTYPES = (np.dtype(np.int32), np.dtype(np.float32))
 def pack(sink: Sink, packing: Packing) -> tuple[jax.Array, ...]:
     """The statistics of ``sink`` in a few arrays: the scalars stacked by dtype.
 
-    A program returning thousands of scalars would pay a transfer for each.
+    A program returning thousands of scalars would pay for each output.
     """
-    scalars: list[list[jax.Array]] = [[] for _ in _SCALAR_DTYPES]
+    stacks: list[list[jax.Array]] = [[] for _ in _SCALAR_DTYPES]
     others: list[jax.Array] = []
-    packing.entries = []
+    packing.scalars, packing.others = {}, []
     for number, stats in sink.items():
         for name, x in stats.items():
             if x.shape == () and x.dtype in _SCALAR_DTYPES:
                 kind = _SCALAR_DTYPES.index(x.dtype)
-                packing.entries.append((number, name, kind, len(scalars[kind])))
-                scalars[kind].append(x)
+                numbers, _, offsets = packing.scalars.setdefault(name, ([], kind, []))
+                numbers.append(number)
+                offsets.append(len(stacks[kind]))
+                stacks[kind].append(x)
             else:
-                packing.entries.append((number, name, len(scalars) + len(others), 0))
+                packing.others.append((number, name, len(stacks) + len(others)))
                 others.append(x)
-    stacked = [jnp.stack(xs) if xs else jnp.zeros(0, d) for xs, d in zip(scalars, _SCALAR_DTYPES)]
+    stacked = [jnp.stack(xs) if xs else jnp.zeros(0, d) for xs, d in zip(stacks, _SCALAR_DTYPES)]
     return (*stacked, *others)
 
 
 def unpack(arrays: Sequence[Any], packing: Packing) -> dict[int, dict[str, Any]]:
-    """The statistics `pack` packed, from the program's outputs on the host (numpy),
-    bit patterns turned into the float32 magnitudes they are."""
+    """The statistics `pack` packed, from the program's outputs on the host (Python
+    numbers and numpy arrays), bit patterns turned into the float32 magnitudes they are."""
     sink: dict[int, dict[str, Any]] = {}
-    for number, name, array, offset in packing.entries:
-        value = arrays[array][offset] if array < len(_SCALAR_DTYPES) else arrays[array]
+    for name, (numbers, kind, offsets) in packing.scalars.items():
+        values = np.asarray(arrays[kind])[offsets]
         if name in BIT_PATTERNS:
-            value = np.asarray(value, np.int32).view(np.float32)
-        sink.setdefault(number, {})[name] = value
+            values = values.view(np.float32)
+        for number, value in zip(numbers, values.tolist()):
+            sink.setdefault(number, {})[name] = value
+    for number, name, array in packing.others:
+        sink.setdefault(number, {})[name] = np.asarray(arrays[array])
     return sink
 
 
@@ -386,24 +421,27 @@ def _where_bits(mask: jax.Array, x: jax.Array) -> jax.Array:
     return _as_float(lax.bitcast_convert_type(x, _I32) & mask)
 
 
-def _reduced(fields: dict[str, jax.Array]) -> Stats:
-    """Each array of ``fields`` reduced over all its axes as `_REDUCTION` says.
+def _reduced(fields: Sequence[dict[str, jax.Array]]) -> list[Stats]:
+    """Each array of each of ``fields`` (flat, all of one size) reduced as `_REDUCTION` says.
 
     One variadic reduction: XLA emits a single loop over the elements for all
-    of them (separate reductions would each be a kernel to compile and a pass
-    over memory).
+    of them, one kernel to compile where a reduction per statistic, or per
+    result, would be a kernel each.
     """
-    names = list(fields)
-    hows = ["sum" if _REDUCTION[n] == "scaled" else _REDUCTION[n] for n in names]
-    operands = [fields[n] for n in names]
+    names = [(k, n) for k, f in enumerate(fields) for n in f]
+    hows = ["sum" if _REDUCTION[n] == "scaled" else _REDUCTION[n] for _, n in names]
+    operands = [fields[k][n] for k, n in names]
     inits = [np.array(_INF_BITS if h == "min" else 0, x.dtype) for h, x in zip(hows, operands)]
     ops = {"sum": lax.add, "max": lax.max, "min": lax.min}
 
     def computation(a: Sequence[jax.Array], b: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
         return tuple(ops[h](x, y) for h, x, y in zip(hows, a, b))
 
-    outs = lax.reduce(operands, inits, computation, tuple(range(operands[0].ndim)))
-    return dict(zip(names, outs))
+    outs = lax.reduce(operands, inits, computation, (0,))
+    reduced: list[Stats] = [{} for _ in fields]
+    for (k, n), x in zip(names, outs):
+        reduced[k][n] = x
+    return reduced
 
 
 # Statistics kept as the bit patterns of float32 magnitudes (int32, ordered like the
@@ -411,54 +449,97 @@ def _reduced(fields: dict[str, jax.Array]) -> Stats:
 # would be one more kernel to compile each.
 BIT_PATTERNS = frozenset({"max_abs", "f32_min", "f32_max", "err_scale"})
 
+# Results reduced by one kernel at most: a bound on the kernel's size.
+_GROUP = 24
+
+
+def grouped_stats(results: Sequence[Result], one: Any) -> Sink:
+    """The statistics of ``results``, those of the same size reduced together."""
+    groups: dict[tuple[int, bool], list[Result]] = {}
+    for r in results:
+        groups.setdefault((int(np.size(r.low)), r.local is None), []).append(r)
+    sink: Sink = {}
+    for group in groups.values():
+        for start in range(0, len(group), _GROUP):
+            for r, stats in zip(group[start:start + _GROUP],
+                                _group_stats(group[start:start + _GROUP], one)):
+                merge(sink, {r.number: stats})
+    return sink
+
+
+def _group_stats(group: Sequence[Result], one: Any) -> list[Stats]:
+    # Flat, behind a barrier that keeps XLA from fusing the operations that produced
+    # the values into the statistics' kernel (one kernel each, otherwise).
+    flat = lax.optimization_barrier(  # type: ignore[no-untyped-call]
+        [tuple(None if x is None else jnp.ravel(x) for x in (r.low, r.ref, r.local))
+         for r in group])
+    bits = [_value_bits(values[0], values[1], values[2], one) for values in flat]
+    stats = _reduced([_result_fields(b, r.tiny) for b, r in zip(bits, group)])
+    if group[0].local is not None:
+        squares = _reduced([_square_fields(values, b, s["err_scale"], one)
+                            for values, b, s in zip(flat, bits, stats)])
+        stats = [{**s, **q} for s, q in zip(stats, squares)]
+    else:
+        zero_i, zero_f = jnp.zeros((), _I32), jnp.zeros((), np.float32)
+        stats = [{**s, "overflow": zero_i, "nonzero": zero_i, "underflow": zero_i,
+                  "err_scale": zero_i, "err_sq": zero_f, "ref_sq": zero_f} for s in stats]
+    size = jnp.asarray(np.size(group[0].low), _I32)
+    return [{**s, "size": size} for s in stats]
+
+
+def _value_bits(low: Any, ref: Any, local: Optional[Any], one: Any) -> dict[str, jax.Array]:
+    """The magnitude bits of a result's values, and which are finite (-1) or not (0)."""
+    bits = {"low": _magnitude_bits(low, one), "ref": _magnitude_bits(ref, one)}
+    if local is not None:
+        bits["local"] = _magnitude_bits(local, one)
+    finite = {f"{k}_finite": _finite(b) for k, b in bits.items()}
+    return {**bits, **finite}
+
+
+def _result_fields(b: dict[str, jax.Array], tiny: float) -> dict[str, jax.Array]:
+    """The arrays reduced into one result's statistics (see `result_stats`)."""
+    v = b["low"] & b["low_finite"]  # finite magnitudes; 0 for inf and NaN
+    w = b["ref"] & b["ref_finite"]
+    fields = {
+        "max_abs": v,
+        "subnormal": _positive(v) & _below(v, np.float32(tiny).view(_I32)),
+        "f32_max": w,
+        "f32_min": w | (lax.shift_right_arithmetic(w - _I32(1), _I32(31)) & _INF_BITS),
+    }
+    if "local" not in b:
+        return fields
+    u = b["local"] & b["local_finite"]
+    return {**fields,
+            "overflow": (b["low_finite"] + 1) & b["local_finite"],  # low inf/NaN, local finite
+            "nonzero": _positive(u),
+            "underflow": _positive(u) & _below(b["low"], 1),  # local nonzero, low zero
+            "err_scale": lax.max(v, u) & b["low_finite"] & b["local_finite"]}
+
+
+def _square_fields(values: tuple[Any, Any, Any], b: dict[str, jax.Array], scale_bits: jax.Array,
+                   one: Any) -> dict[str, jax.Array]:
+    """The squared error and reference, relative to the largest magnitude so that
+    float32 values beyond 1e19 do not overflow the sums (a second pass, for the
+    few equations with a local reference)."""
+    scale = _as_float(scale_bits)
+    inv = jnp.where(scale > 0, 1 / jnp.where(scale > 0, scale, 1), np.float32(0))
+    low, _, local = values
+    x, r = (lax.mul(lax.convert_element_type(y, np.float32), one) for y in (low, local))
+    both = b["low_finite"] & b["local_finite"]
+    d = _where_bits(both, lax.mul(lax.sub(x, r), inv))
+    rr = _where_bits(both, lax.mul(r, inv))
+    return {"err_sq": lax.mul(d, d), "ref_sq": lax.mul(rr, rr)}
+
 
 def result_stats(low: Any, ref: Any, local: Optional[Any], tiny: float, one: Any) -> Stats:
     """Statistics of one result: ``low`` (autocast's), ``ref`` (the float32 evaluation's)
     and ``local`` (the local float32 reference, ``None`` where it equals ``low``).
 
     ``tiny`` is the smallest normal magnitude of the dtype the equation ran in; ``one``
-    is a float32 one known only at run time (see `_magnitude_bits`).
+    is a float32 one known only at run time (see `_magnitude_bits`). Magnitudes
+    (``max_abs``, ``f32_min``...) are float32 bit patterns (see `BIT_PATTERNS`).
     """
-    # Flat, behind a barrier that keeps XLA from fusing the operations that produced
-    # them into the statistics' kernel: the kernels of same-sized results are then
-    # the same kernel, compiled once.
-    low, ref, local = lax.optimization_barrier(  # type: ignore[no-untyped-call]
-        tuple(None if x is None else jnp.ravel(x) for x in (low, ref, local)))
-    low_bits, ref_bits = _magnitude_bits(low, one), _magnitude_bits(ref, one)
-    low_finite = _finite(low_bits)
-    v = low_bits & low_finite  # finite magnitudes; 0 for inf and NaN
-    w = ref_bits & _finite(ref_bits)
-    tiny_bits = np.float32(tiny).view(_I32)
-    fields = {
-        "max_abs": v,
-        "subnormal": _positive(v) & _below(v, tiny_bits),
-        "f32_max": w,
-        "f32_min": w | (lax.shift_right_arithmetic(w - _I32(1), _I32(31)) & _INF_BITS),
-    }
-    size = {"size": jnp.asarray(np.size(low), _I32)}
-    if local is None:
-        stats = _reduced(fields)
-        zeros = {n: jnp.zeros((), _I32) for n in ("overflow", "nonzero", "underflow", "err_scale")}
-        zeros.update({n: jnp.zeros((), np.float32) for n in ("err_sq", "ref_sq")})
-        return {**stats, **size, **zeros}
-    local_bits = _magnitude_bits(local, one)
-    local_finite = _finite(local_bits)
-    u = local_bits & local_finite
-    both = low_finite & local_finite
-    stats = _reduced({**fields,
-                      "overflow": (low_finite + 1) & local_finite,  # low inf/NaN, local finite
-                      "nonzero": _positive(u),
-                      "underflow": _positive(u) & _below(low_bits, 1),  # local nonzero, low zero
-                      "err_scale": lax.max(v, u) & both})
-    # Squares relative to the largest magnitude, so that float32 values beyond 1e19 do
-    # not overflow the sums (a second pass, for the few equations with a reference).
-    scale = _as_float(stats["err_scale"])
-    inv = jnp.where(scale > 0, 1 / jnp.where(scale > 0, scale, 1), np.float32(0))
-    x, r = (lax.mul(lax.convert_element_type(y, np.float32), one) for y in (low, local))
-    d = _where_bits(both, lax.mul(lax.sub(x, r), inv))
-    rr = _where_bits(both, lax.mul(r, inv))
-    squares = _reduced({"err_sq": lax.mul(d, d), "ref_sq": lax.mul(rr, rr)})
-    return {**stats, **size, **squares}
+    return grouped_stats([Result(0, low, ref, local, tiny)], one)[0]
 
 
 HISTOGRAM_SAMPLE = 4096
@@ -477,19 +558,21 @@ def histogram(values: Sequence[Any], one: Any) -> jax.Array:
 
     A large result is represented by an evenly spread sample of its values,
     each counting for the values it stands for: binning every value of a
-    backward pass would cost more than the rest of the inspection.
+    backward pass would cost more than the rest of the inspection. The samples
+    are binned together, in one kernel.
     """
-    bins, weights = [], []
+    samples, weights = [], []
     for x in values:
-        bits = _magnitude_bits(x, one).ravel()
-        stride = _sample_stride(bits.size)
-        v = bits[::stride] & _finite(bits[::stride])
-        # Zeros and non-finite values go to bin 255 (that of inf and NaN), dropped below.
-        bins.append(lax.shift_right_logical(v, _I32(23))
-                    | (lax.shift_right_arithmetic(v - _I32(1), _I32(31)) & _I32(255)))
-        weights.append(jnp.full(v.shape, stride, _I32))
-    counts = jnp.zeros(HISTOGRAM_BINS, _I32).at[jnp.concatenate(bins)].add(
-        jnp.concatenate(weights))
+        flat = jnp.ravel(x)
+        stride = _sample_stride(flat.size)
+        samples.append(lax.convert_element_type(flat[::stride], np.float32))
+        weights.append(jnp.full(samples[-1].shape, stride, _I32))
+    bits = _magnitude_bits(jnp.concatenate(samples), one)
+    v = bits & _finite(bits)
+    # Zeros and non-finite values go to bin 255 (that of inf and NaN), dropped below.
+    bins = lax.shift_right_logical(v, _I32(23)) \
+        | (lax.shift_right_arithmetic(v - _I32(1), _I32(31)) & _I32(255))
+    counts = jnp.zeros(HISTOGRAM_BINS, _I32).at[bins].add(jnp.concatenate(weights))
     return counts.at[255].set(0)
 
 
@@ -502,13 +585,6 @@ def _fp8_stats(recipe: Float8Recipe, eqn: JaxprEqn, scope: str, invals: Sequence
     return {"fp8_saturated": sum((c.saturated for c in counts[1:]), counts[0].saturated),
             "fp8_flushed": sum((c.flushed_to_zero for c in counts[1:]),
                                counts[0].flushed_to_zero)}
-
-
-def _sum_outputs(stats: list[Stats]) -> Stats:
-    result = stats[0]
-    for more in stats[1:]:
-        result = combine(result, more)
-    return result
 
 
 # --- The walk ------------------------------------------------------------------------------
@@ -617,16 +693,12 @@ class Walk:
         # dtype: its subnormals are the compute dtype's.
         tiny = float(jnp.finfo(ctx.compute if fp8 else ran_in[0]).tiny)  # type: ignore[no-untyped-call]
 
-        def stats() -> Stats:
-            stats = _sum_outputs([result_stats(lows[i], refs[i],
-                                               None if local is None else local[i], tiny, level.one)
-                                  for i in floats])
-            if fp8:
-                assert self.recipe is not None
-                stats.update(_fp8_stats(self.recipe, eqn, ctx.scope, invals))
-            return stats
-
-        level.record(number, stats)
+        level.results.extend(Result(number, lows[i], refs[i], None if local is None else local[i],
+                                    tiny) for i in floats)
+        if fp8:
+            recipe = self.recipe
+            assert recipe is not None
+            level.record(number, lambda: _fp8_stats(recipe, eqn, ctx.scope, invals))
         if phase_of(ctx.scope) == "backward" and eqn.primitive.name not in VALUE_PRESERVING:
             level.gradients.extend(refs[i] for i in floats)
 
