@@ -203,12 +203,13 @@ def float8_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DType, DT
 
     def product_bwd(res: tuple[Residual, Quantized], g: Any) -> tuple[Any, Any]:
         a_res, b_res = res
+        g_lhs = q(g, recipe.bwd_dtype, layout.out_rhs_free)
         dims, perm = layout.lhs_gradient()
-        grad_lhs = lax.transpose(
-            _float8_dot(q(g, recipe.bwd_dtype, layout.out_rhs_free), b_res, dims), perm)
+        grad_lhs = lax.transpose(_float8_dot(g_lhs, b_res, dims), perm)
         dims, perm = layout.rhs_gradient()
         if isinstance(a_res, tuple):
-            grad_rhs = _float8_dot(q(g, recipe.bwd_dtype, layout.out_lhs_free), a_res, dims)
+            g_rhs = g_lhs if tensorwise else q(g, recipe.bwd_dtype, layout.out_lhs_free)
+            grad_rhs = _float8_dot(g_rhs, a_res, dims)
         else:
             # As the matmul class's backward products: compute-dtype operands and result.
             grad_rhs = lax.dot_general(convert(g, compute), convert(a_res, compute), dims,
