@@ -226,27 +226,31 @@ TRAINING_COLUMNS = [
 ]
 
 
-def training(report: harness.Report, a: argparse.Namespace) -> None:
+def training(report: harness.Report, a: argparse.Namespace, path: str) -> None:
     lm = load_example()
     text = lm.load_text()
     config = lm.Config() if not a.quick else lm.Config(d_model=16, heads=1, layers=1, seq_len=16)
     runs = TRAINING_RUNS if not a.quick else dict(list(TRAINING_RUNS.items())[:3])
     samples: dict[str, dict[str, list[float]]] = {n: {"held_out_bpb": [], "train_bpb": []}
                                                  for n in runs}
-    for seed in a.seeds:  # seed by seed, so that a run cut short has whole seeds
+    for i, seed in enumerate(a.seeds):
         for name, fp8 in runs.items():
             r = lm.train("mixed_bfloat16", steps=a.steps, seed=seed, config=config, text=text,
                          fp8=fp8)
             samples[name]["held_out_bpb"].append(r["test_bits_per_byte"])
             samples[name]["train_bpb"].append(float(np.mean(r["losses"][-a.tail:])) / math.log(2))
             print(f"  seed {seed} {name}: held-out {r['test_bits_per_byte']:.4f}", flush=True)
-    table = report.table(
-        "training", "byte-level transformer LM: float8 recipes against mixed_bfloat16",
-        baseline="mixed_bfloat16", columns=TRAINING_COLUMNS,
-        description=(f"examples/transformer_lm.py, {a.steps} steps, seeds {a.seeds}, means over "
-                     f"the seeds; training loss: mean of the last {a.tail} steps"))
-    for name, s in samples.items():
-        table.add_row(name, {k: float(np.mean(v)) for k, v in s.items()}, samples=s)
+        # Written after every seed, so that a run cut short keeps the seeds it finished.
+        report.tables = []
+        table = report.table(
+            "training", "byte-level transformer LM: float8 recipes against mixed_bfloat16",
+            baseline="mixed_bfloat16", columns=TRAINING_COLUMNS,
+            description=(f"examples/transformer_lm.py, {a.steps} steps, seeds "
+                         f"{a.seeds[:i + 1]}, means over the seeds; training loss: mean of the "
+                         f"last {a.tail} steps"))
+        for name, s in samples.items():
+            table.add_row(name, {k: float(np.mean(v)) for k, v in s.items()}, samples=s)
+        report.write(path)
 
 
 # --- main ------------------------------------------------------------------------------------
@@ -269,8 +273,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     name = "bench_fp8_training" if a.training else "bench_fp8"
     report = harness.Report(name, __doc__.splitlines()[0], vars(a), argv)
     print(f"jax {jax.__version__} on {jax.default_backend()}", flush=True)
+    path = a.json or harness.default_json_path(name, a.quick)
     if a.training:
-        training(report, a)
+        training(report, a, path)
     else:
         size = (256, 512, 256) if not a.quick else (32, 64, 32)
         table = report.table(
@@ -281,7 +286,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         compile_cost(report, a)
     for t in report.tables:
         print(f"\n{t.title}\n\n{harness.render_table(t.to_json())}")
-    path = a.json or harness.default_json_path(name, a.quick)
     report.write(path)
     print(f"\nwrote {path}")
     return 0

@@ -234,8 +234,8 @@ def eligible(recipe: Float8Recipe, eqn: JaxprEqn, scope: str) -> bool:
     That is a ``dot_general`` with floating operands, no size below
     ``recipe.min_size`` (empty products never qualify), batch dimensions only
     if ``recipe.batched``, and a scope that no ``recipe.exclude`` pattern
-    matches. (A product in an autocast float32 scope
-    runs in float32 before this is asked.)
+    matches. (A product in an autocast float32 scope runs in float32 before
+    this is asked.)
     """
     if eqn.primitive.name != "dot_general" or len(eqn.invars) != 2:
         return False
