@@ -218,11 +218,11 @@ def render_example(spec: str) -> str:
         return ""
     with open(path) as f:
         payload = json.load(f)
-    lines = ["| policy | loss scaling | test accuracy | final loss | zero gradients "
-             "| skipped steps | final scale |", "|---|---|---|---|---|---|---|"]
+    lines = ["| policy (loss scaling) | test accuracy | final loss | zero gradients "
+             "| skipped steps | final scale |", "|---|---|---|---|---|---|"]
     for r in payload["results"]:
         name = r["policy"].split(",loss_scale=")[0]
-        lines.append(f"| `{name}` | {r['loss_scale']} | {100 * r['test_accuracy']:.2f}% "
+        lines.append(f"| `{name}` ({r['loss_scale']}) | {100 * r['test_accuracy']:.2f}% "
                      f"| {r['final_loss']:.4f} | {100 * r['zero_grad_fraction']:.1f}% "
                      f"| {r['skipped_steps']} | {_scale(r['final_loss_scale'])} |")
     lines += ["", f"<small>Made by `{payload.get('command', '?')}` on {payload.get('device', '?')}, "
@@ -308,6 +308,9 @@ def render_api_index() -> str:
                             os.path.basename(path), full)
                 continue
             short = full[len("jmp_policy."):]
+            head, _, last = short.rpartition(".")
+            if head.endswith(last):  # autocast.autocast: the function jmp_policy.autocast
+                short = last
             out.append(f"| [`{short}`][{full}] | {_summary(obj)} |")
         out.append("")
     return "\n".join(out)
@@ -330,6 +333,8 @@ def missing_api_names() -> list[str]:
                 continue
             if module == "jmp_policy.autocast" and f"jmp_policy.{name}" in documented:
                 continue  # re-exported at the top level and documented there
+            if f"{module}.{name}.{name}" in documented:
+                continue  # jmp_policy.autocast: the function, which its package also holds
             missing.append(f"{module}.{name}")
     return missing
 
@@ -338,6 +343,7 @@ def unknown_api_names() -> list[str]:
     """Documented names that are not public (renamed or removed since)."""
     public = {f"{module}.{name}" for module, names in public_names().items() for name in names}
     public |= {f"jmp_policy.{name}" for name in public_names()["jmp_policy.autocast"]}
+    public |= {f"{name}.{name.rsplit('.', 1)[1]}" for name in list(public)}
     return sorted(documented_names() - public)
 
 

@@ -175,8 +175,6 @@ def test_policy_name_table_matches_the_library():
             got = [None if d is None else d.name for d in
                    (p.param_dtype, p.compute_dtype, p.output_dtype)]
             assert got == expected, (name, got, expected)
-            if "half" not in dtypes or half == "float16":  # the table shows CPU/GPU's half
-                assert p.name == _code_names(row[4])[0], (name, p.name)
 
 
 def test_autocast_rules_table_matches_the_library():
