@@ -218,14 +218,15 @@ def render_example(spec: str) -> str:
         return ""
     with open(path) as f:
         payload = json.load(f)
-    lines = ["| policy (loss scaling) | test accuracy | final loss | zero gradients "
+    lines = ['<div class="names" markdown>', "",
+             "| policy (loss scaling) | test accuracy | final loss | zero gradients "
              "| skipped steps | final scale |", "|---|---|---|---|---|---|"]
     for r in payload["results"]:
         name = r["policy"].split(",loss_scale=")[0]
         lines.append(f"| `{name}` ({r['loss_scale']}) | {100 * r['test_accuracy']:.2f}% "
                      f"| {r['final_loss']:.4f} | {100 * r['zero_grad_fraction']:.1f}% "
                      f"| {r['skipped_steps']} | {_scale(r['final_loss_scale'])} |")
-    lines += ["", f"<small>Made by `{payload.get('command', '?')}` on {payload.get('device', '?')}, "
+    lines += ["", "</div>", "", f"<small>Made by `{payload.get('command', '?')}` on {payload.get('device', '?')}, "
                   f"jax {payload.get('jax', '?')}"
                   + (f", {payload['date']}" if payload.get("date") else "")
                   + ". Final loss: mean of the last 20 steps; zero gradients: the fraction of "
@@ -297,7 +298,8 @@ def render_api_index() -> str:
             text = f.read()
         title = text.splitlines()[0].lstrip("# ").strip()
         names = re.findall(r"^::: ([\w.]+)", text, flags=re.M)
-        out += [f"## [{title}]({os.path.basename(path)})", "", "| name | summary |", "|---|---|"]
+        out += [f"## [{title}]({os.path.basename(path)})", "", '<div class="names" markdown>', "",
+                "| name | summary |", "|---|---|"]
         for full in names:
             obj: Any = package
             try:
@@ -312,7 +314,7 @@ def render_api_index() -> str:
             if head.endswith(last):  # autocast.autocast: the function jmp_policy.autocast
                 short = last
             out.append(f"| [`{short}`][{full}] | {_summary(obj)} |")
-        out.append("")
+        out += ["", "</div>", ""]
     return "\n".join(out)
 
 
