@@ -49,7 +49,7 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from jmp_policy._dtypes import is_floating_dtype
 from jmp_policy._rules import UnmatchedRuleWarning
-from jmp_policy.autocast._api import _call_dtypes, _is_dynamic, _name, _signature
+from jmp_policy.autocast._api import _call_dtypes, _is_dynamic, _signature
 from jmp_policy.autocast._fp8 import Float8Like, Float8Recipe, as_recipe
 from jmp_policy.autocast._fp8_matmul import float8_matmul
 from jmp_policy.autocast._inspect import (
@@ -289,7 +289,7 @@ def inspect_numerics(
     parsed = parse_rules(rules, higher_order_names())
     recipe = as_recipe(fp8)
     positions = _argnums(argnums)
-    name = _name(fn)
+    name = _function_name(fn)
     meta = _Meta(name, resolved.name, None if recipe is None else _recipe_name(recipe),
                  rules, positions is not None)
     cache: dict[Any, tuple[Registry, Packing, Callable[..., tuple[jax.Array, ...]]]] = {}
@@ -319,6 +319,11 @@ def inspect_numerics(
         return _report(registry, stats, meta)
 
     return inspect
+
+
+def _function_name(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__name__", None)
+    return name if isinstance(name, str) else repr(fn)
 
 
 def _argnums(argnums: Argnums) -> Optional[tuple[int, ...]]:

@@ -62,14 +62,18 @@ def _keys(rows):
 
 # --- The planted overflow and underflow ----------------------------------------------------
 
+# The products of the gradient path: both of dense2's (the gradients of h and w2) and
+# dense1's (the gradient of w1; x is not differentiated).
+GRADIENT_PATH = [("dense2", "backward", "dot_general")] * 2 + [("dense1", "backward",
+                                                                  "dot_general")]
+
+
 def test_worst_rows_are_the_planted_overflow_and_underflow(report):
-    worst = report.worst(3)
-    assert _keys(worst) == [("boom", "forward", "dot_general"),
-                            ("dense2", "backward", "dot_general"),
-                            ("dense2", "backward", "dot_general")]
+    worst = report.worst(4)
+    assert _keys(worst) == [("boom", "forward", "dot_general")] + GRADIENT_PATH
     assert _keys(r for r in report if r.overflow) == [("boom", "forward", "dot_general")]
-    assert _keys(r for r in report if r.underflow) == [("dense2", "backward", "dot_general")] * 2
-    assert report.worst(4)[3].overflow == 0 and report.worst(4)[3].underflow == 0
+    assert _keys(r for r in report if r.underflow) == GRADIENT_PATH
+    assert report.worst(5)[4].overflow == 0 and report.worst(5)[4].underflow == 0
 
 
 def test_overflow_count_is_the_hand_count(report):
@@ -86,23 +90,26 @@ def test_overflow_count_is_the_hand_count(report):
     np.testing.assert_allclose(row.max_abs, np.abs(products).max(), rtol=1e-3)
 
 
-def test_underflow_fraction_is_the_hand_computation(report):
-    # The float32 backward pass by hand: the gradient of the loss with respect to y,
-    # then both products of dense2's backward pass, as float32 and with that gradient
-    # narrowed to float16 as autocast narrows the operands of products.
+def _half(a):
+    return a.astype(np.float16).astype(np.float32)
+
+
+def test_underflow_fractions_are_the_hand_computation(report):
+    # The float32 backward pass by hand, and each of its products with its operands
+    # narrowed to float16 as autocast narrows them: the fraction of the float32
+    # product's nonzero values that are zero in float16.
     h = np.tanh(X @ PARAMS["w1"])
     y = h @ PARAMS["w2"]
-    g = LOSS_FACTOR * 2 * (y - T) / y.size
-    g16 = g.astype(np.float16).astype(np.float32)
-    w2_16 = PARAMS["w2"].astype(np.float16).astype(np.float32)
-    h16 = h.astype(np.float16).astype(np.float32)
+    g = LOSS_FACTOR * 2 * (y - T) / y.size          # d loss / d y
+    gh = (g @ PARAMS["w2"].T) * (1 - h ** 2)        # d loss / d (x @ w1)
     expected = []
-    for ref, low in [(g @ PARAMS["w2"].T, g16 @ w2_16.T), (h.T @ g, h16.T @ g16)]:
+    for a, b in [(g, PARAMS["w2"].T), (h.T, g), (X.T, gh)]:
+        ref, low = a @ b, _half(a) @ _half(b)
         nonzero = ref != 0
         expected.append(((low == 0) & nonzero).sum() / nonzero.sum())
     rows = [r for r in report if r.underflow]
     assert sorted(r.underflow for r in rows) == sorted(expected)
-    assert expected == [1.0, 1.0]  # every gradient value of dense2 is below float16's range
+    assert expected == [1.0] * 3  # every gradient value on the path is below float16's range
     assert all(r.rel_error == 1.0 and r.max_abs == 0.0 for r in rows)
 
 

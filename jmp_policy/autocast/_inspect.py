@@ -5,25 +5,27 @@ equation of a function, how its low-precision result compares with float32.
 `Walk` evaluates a jaxpr in lockstep: every variable holds a *pair*, its value
 as autocast computes it and its value in a float32 evaluation, and every
 first-order equation is evaluated on both sides through autocast's own
-`eval_equation` (with the autocast context on the low side, a float32 one on
-the other), so it runs exactly as autocast runs it.
+`eval_equation` (with the autocast context on one side, a float32 one on the
+other), so it runs exactly as autocast runs it.
 
-Each low-precision result is also compared with its *local reference*: the
-same equation evaluated in float32 on the low side's inputs, widened. An
-overflow or a value flushed to zero is thus counted at the equation that
-produced it, not again at every equation downstream, whose inputs are already
-inf or zero. Equations whose result cannot differ from it (float32 results,
-data movement) skip it. The float32 side gives each result's range and, in
-the backward pass, the gradient magnitudes a loss scale must bring into range.
+Each equation that autocast does not run in float32 (matrix products, and
+operations on half-precision values) is then *probed*: evaluated as autocast
+runs it on the float32 evaluation's inputs, at the dtypes autocast gives them,
+and compared with the float32 result. So every row shows what its equation
+itself loses: an overflow or a flush to zero upstream neither hides one here
+(as comparing autocast's own values would: inf in, inf out) nor repeats here.
+Autocast's side gives the dtypes (XLA drops its values, which nothing uses);
+the float32 side gives each result's range and, in the backward pass, the
+gradient magnitudes that a loss scale must bring into range.
 
-Statistics stay traced values: one variadic reduction per equation computes
-them all, and they leave the program as its outputs (`pack`), so nothing goes
-to the host per equation. Higher-order primitives keep their rows: calls,
-``checkpoint`` and custom derivatives are evaluated in place; the rows of a
-``scan``, ``while_loop`` or ``cond`` body are outputs of the loop or branch,
-reduced over the iterations (one row per equation of the body, not one per
-iteration). `Registry` numbers rows by equation and name-scope path: a row is
-one equation at one call site.
+Statistics stay traced values: one variadic reduction for the results of the
+same size of a body computes them all, and they leave the program as its
+outputs (`pack`), so nothing goes to the host per equation. Higher-order
+primitives keep their rows: calls, ``checkpoint`` and custom derivatives are
+evaluated in place; the rows of a ``scan``, ``while_loop`` or ``cond`` body are
+outputs of the loop or branch, reduced over the iterations (one row per
+equation of the body, not one per iteration). `Registry` numbers rows by
+equation and name-scope path: a row is one equation at one call site.
 
 >>> import jax, jax.numpy as jnp, numpy as np
 >>> from jmp_policy.autocast._matmul import matmul
@@ -262,20 +264,19 @@ def _masked(sink: Sink, low_taken: Any, ref_taken: Any) -> Sink:
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    """A floating result of an equation, waiting for its statistics (see `result_fields`).
+    """A floating result of an equation, waiting for its statistics (see `result_stats`).
 
     Attributes:
       number: its row.
-      low: autocast's value.
-      ref: the float32 evaluation's value.
-      local: the local float32 reference, ``None`` where it equals ``low``.
+      ref: its value in the float32 evaluation.
+      low: the equation evaluated as autocast runs it on the float32 evaluation's
+        inputs; ``None`` where that is ``ref`` itself (nothing to compare).
       tiny: the smallest normal magnitude of the dtype the equation ran in.
     """
 
     number: int
-    low: Any
     ref: Any
-    local: Optional[Any]
+    low: Optional[Any]
     tiny: float
 
 
@@ -457,7 +458,7 @@ def grouped_stats(results: Sequence[Result], one: Any) -> Sink:
     """The statistics of ``results``, those of the same size reduced together."""
     groups: dict[tuple[int, bool], list[Result]] = {}
     for r in results:
-        groups.setdefault((int(np.size(r.low)), r.local is None), []).append(r)
+        groups.setdefault((int(np.size(r.ref)), r.low is None), []).append(r)
     sink: Sink = {}
     for group in groups.values():
         for start in range(0, len(group), _GROUP):
@@ -470,12 +471,11 @@ def grouped_stats(results: Sequence[Result], one: Any) -> Sink:
 def _group_stats(group: Sequence[Result], one: Any) -> list[Stats]:
     # Flat, behind a barrier that keeps XLA from fusing the operations that produced
     # the values into the statistics' kernel (one kernel each, otherwise).
-    flat = lax.optimization_barrier(  # type: ignore[no-untyped-call]
-        [tuple(None if x is None else jnp.ravel(x) for x in (r.low, r.ref, r.local))
-         for r in group])
-    bits = [_value_bits(values[0], values[1], values[2], one) for values in flat]
+    flat: list[tuple[Any, Any]] = lax.optimization_barrier(  # type: ignore[no-untyped-call]
+        [(jnp.ravel(r.ref), None if r.low is None else jnp.ravel(r.low)) for r in group])
+    bits = [_value_bits(ref, low, one) for ref, low in flat]
     stats = _reduced([_result_fields(b, r.tiny) for b, r in zip(bits, group)])
-    if group[0].local is not None:
+    if group[0].low is not None:
         squares = _reduced([_square_fields(values, b, s["err_scale"], one)
                             for values, b, s in zip(flat, bits, stats)])
         stats = [{**s, **q} for s, q in zip(stats, squares)]
@@ -483,63 +483,62 @@ def _group_stats(group: Sequence[Result], one: Any) -> list[Stats]:
         zero_i, zero_f = jnp.zeros((), _I32), jnp.zeros((), np.float32)
         stats = [{**s, "overflow": zero_i, "nonzero": zero_i, "underflow": zero_i,
                   "err_scale": zero_i, "err_sq": zero_f, "ref_sq": zero_f} for s in stats]
-    size = jnp.asarray(np.size(group[0].low), _I32)
+    size = jnp.asarray(np.size(group[0].ref), _I32)
     return [{**s, "size": size} for s in stats]
 
 
-def _value_bits(low: Any, ref: Any, local: Optional[Any], one: Any) -> dict[str, jax.Array]:
+def _value_bits(ref: Any, low: Optional[Any], one: Any) -> dict[str, jax.Array]:
     """The magnitude bits of a result's values, and which are finite (-1) or not (0)."""
-    bits = {"low": _magnitude_bits(low, one), "ref": _magnitude_bits(ref, one)}
-    if local is not None:
-        bits["local"] = _magnitude_bits(local, one)
+    bits = {"ref": _magnitude_bits(ref, one)}
+    if low is not None:
+        bits["low"] = _magnitude_bits(low, one)
     finite = {f"{k}_finite": _finite(b) for k, b in bits.items()}
     return {**bits, **finite}
 
 
 def _result_fields(b: dict[str, jax.Array], tiny: float) -> dict[str, jax.Array]:
     """The arrays reduced into one result's statistics (see `result_stats`)."""
-    v = b["low"] & b["low_finite"]  # finite magnitudes; 0 for inf and NaN
-    w = b["ref"] & b["ref_finite"]
+    w = b["ref"] & b["ref_finite"]  # finite magnitudes; 0 for inf and NaN
+    v = b["low"] & b["low_finite"] if "low" in b else w
     fields = {
         "max_abs": v,
         "subnormal": _positive(v) & _below(v, np.float32(tiny).view(_I32)),
         "f32_max": w,
         "f32_min": w | (lax.shift_right_arithmetic(w - _I32(1), _I32(31)) & _INF_BITS),
     }
-    if "local" not in b:
+    if "low" not in b:
         return fields
-    u = b["local"] & b["local_finite"]
     return {**fields,
-            "overflow": (b["low_finite"] + 1) & b["local_finite"],  # low inf/NaN, local finite
-            "nonzero": _positive(u),
-            "underflow": _positive(u) & _below(b["low"], 1),  # local nonzero, low zero
-            "err_scale": lax.max(v, u) & b["low_finite"] & b["local_finite"]}
+            "overflow": (b["low_finite"] + 1) & b["ref_finite"],  # low inf/NaN, float32 finite
+            "nonzero": _positive(w),
+            "underflow": _positive(w) & _below(b["low"], 1),  # float32 nonzero, low zero
+            "err_scale": lax.max(v, w) & b["low_finite"] & b["ref_finite"]}
 
 
-def _square_fields(values: tuple[Any, Any, Any], b: dict[str, jax.Array], scale_bits: jax.Array,
+def _square_fields(values: tuple[Any, Any], b: dict[str, jax.Array], scale_bits: jax.Array,
                    one: Any) -> dict[str, jax.Array]:
-    """The squared error and reference, relative to the largest magnitude so that
-    float32 values beyond 1e19 do not overflow the sums (a second pass, for the
-    few equations with a local reference)."""
+    """The squared error and float32 values, relative to the largest magnitude so that
+    values beyond 1e19 do not overflow the sums (a second pass, for the few equations
+    that compare)."""
     scale = _as_float(scale_bits)
     inv = jnp.where(scale > 0, 1 / jnp.where(scale > 0, scale, 1), np.float32(0))
-    low, _, local = values
-    x, r = (lax.mul(lax.convert_element_type(y, np.float32), one) for y in (low, local))
-    both = b["low_finite"] & b["local_finite"]
+    r, x = (lax.mul(lax.convert_element_type(y, np.float32), one) for y in values)
+    both = b["low_finite"] & b["ref_finite"]
     d = _where_bits(both, lax.mul(lax.sub(x, r), inv))
     rr = _where_bits(both, lax.mul(r, inv))
     return {"err_sq": lax.mul(d, d), "ref_sq": lax.mul(rr, rr)}
 
 
-def result_stats(low: Any, ref: Any, local: Optional[Any], tiny: float, one: Any) -> Stats:
-    """Statistics of one result: ``low`` (autocast's), ``ref`` (the float32 evaluation's)
-    and ``local`` (the local float32 reference, ``None`` where it equals ``low``).
+def result_stats(ref: Any, low: Optional[Any], tiny: float, one: Any) -> Stats:
+    """Statistics of one result: ``ref`` (the float32 evaluation's) and ``low`` (the
+    equation as autocast runs it on the float32 evaluation's inputs, ``None`` where
+    that is ``ref``).
 
     ``tiny`` is the smallest normal magnitude of the dtype the equation ran in; ``one``
     is a float32 one known only at run time (see `_magnitude_bits`). Magnitudes
     (``max_abs``, ``f32_min``...) are float32 bit patterns (see `BIT_PATTERNS`).
     """
-    return grouped_stats([Result(0, low, ref, local, tiny)], one)[0]
+    return grouped_stats([Result(0, ref, low, tiny)], one)[0]
 
 
 HISTOGRAM_SAMPLE = 4096
@@ -669,7 +668,7 @@ class Walk:
         if eqn.primitive.name in higher_order_names():
             self._warn_unvisited(eqn.primitive.name)
         elif any(is_floating(o) for o in lows):
-            self._record(low, eqn, [x for x, _ in invals], lows, refs, level)
+            self._record(low, eqn, invals, lows, refs, level)
         return list(zip(lows, refs))
 
     def _warn_unvisited(self, name: str) -> None:
@@ -680,7 +679,7 @@ class Walk:
             f"inspect_numerics evaluates {name!r} as autocast does but does not look inside "
             "it: its equations have no rows in the report.", AutocastWarning, stacklevel=4)
 
-    def _record(self, ctx: Context, eqn: JaxprEqn, invals: list[Any], lows: list[Any],
+    def _record(self, ctx: Context, eqn: JaxprEqn, invals: list[Pair], lows: list[Any],
                 refs: list[Any], level: Level) -> None:
         floats = [i for i, o in enumerate(lows) if is_floating(o)]
         product = _is_product(ctx, eqn)
@@ -688,17 +687,17 @@ class Walk:
         ran_in = _ran_in(ctx, lows, floats, product, self.recipe if fp8 else None)
         number = self.registry.number(
             eqn, RowInfo(ctx.scope, eqn.primitive.name, " x ".join(d.name for d in ran_in), fp8))
-        local = _local_reference(ctx, eqn, invals, lows, product)
+        inputs = _as_autocast_sees_them(ctx, invals)
+        probe = _probe(ctx, eqn, inputs, lows, product)
         # A float8 product's result is rescaled float32 that continues in the compute
         # dtype: its subnormals are the compute dtype's.
         tiny = float(jnp.finfo(ctx.compute if fp8 else ran_in[0]).tiny)  # type: ignore[no-untyped-call]
-
-        level.results.extend(Result(number, lows[i], refs[i], None if local is None else local[i],
-                                    tiny) for i in floats)
+        level.results.extend(Result(number, refs[i], None if probe is None else probe[i], tiny)
+                             for i in floats)
         if fp8:
             recipe = self.recipe
             assert recipe is not None
-            level.record(number, lambda: _fp8_stats(recipe, eqn, ctx.scope, invals))
+            level.record(number, lambda: _fp8_stats(recipe, eqn, ctx.scope, inputs))
         if phase_of(ctx.scope) == "backward" and eqn.primitive.name not in VALUE_PRESERVING:
             level.gradients.extend(refs[i] for i in floats)
 
@@ -722,17 +721,29 @@ def _ran_in(ctx: Context, outs: list[Any], floats: list[int], product: bool,
     return (min(dtypes, key=lambda d: (d.itemsize, d.name)),)
 
 
-def _local_reference(ctx: Context, eqn: JaxprEqn, invals: list[Any], outs: list[Any],
-                     product: bool) -> Optional[list[Any]]:
-    """``eqn`` evaluated in float32 on its inputs widened, or ``None`` where that changes
-    nothing (results of float32 or wider, values only moved or selected)."""
+def _as_autocast_sees_them(ctx: Context, invals: Sequence[Pair]) -> list[Any]:
+    """The float32 evaluation's inputs of an equation, at the dtypes they have under
+    autocast (where autocast holds a value in half precision, so does the probe)."""
+    return [ctx.cast(ref, dtype_of(low)) if is_floating(low) and is_floating(ref) else ref
+            for low, ref in invals]
+
+
+def _probe(ctx: Context, eqn: JaxprEqn, inputs: list[Any], lows: list[Any],
+           product: bool) -> Optional[list[Any]]:
+    """``eqn`` evaluated as autocast runs it on ``inputs``, or ``None`` where that is
+    the float32 evaluation's result itself (float32 or wider results of float32
+    inputs, values only moved or selected).
+
+    Comparing this with the float32 result shows what the equation itself loses: an
+    overflow or an underflow before it, which the float32 inputs do not have, does
+    not hide (or repeat) one here.
+    """
     if not product:
         if eqn.primitive.name in VALUE_PRESERVING:
             return None
-        if all(represents(dtype_of(o), F32) for o in outs if is_floating(o)):
+        if all(represents(dtype_of(o), F32) for o in lows if is_floating(o)):
             return None
-    wide = dataclasses.replace(ctx, compute=join(ctx.compute, F32), matmul=matmul)
-    return eval_equation(wide, eqn, [_widened(x) for x in invals])
+    return eval_equation(ctx, eqn, inputs)
 
 
 # --- Higher-order primitives ---------------------------------------------------------------
