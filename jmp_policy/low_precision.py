@@ -360,9 +360,10 @@ def _per_leaf(step: Callable[..., Tuple[Any, Any]], handled: Any, *trees: Any) -
 # new, far inside half a bfloat16 ulp, so it still rounds to new. When new is
 # far smaller than p, it came from a cancellation p + v that is exact, so it
 # lies on p's float32 grid and the difference is exact again. What cannot be
-# reached is a -0.0 from any other value (x + y is -0.0 only for two -0.0s)
-# and, where the hardware flushes them, a subnormal result; ``_applied`` says
-# what the weight then becomes, and the Kahan buffer accounts for it.
+# reached is a -0.0 from any other value (x + y is -0.0 only for two -0.0s), a
+# difference beyond float32's range, and, where the hardware flushes
+# subnormals, a subnormal result or difference; ``_applied`` says what the
+# weight then becomes, and the Kahan buffer accounts for it.
 # --------------------------------------------------------------------------- #
 
 def _update_to(p: jax.Array, new: jax.Array) -> jax.Array:

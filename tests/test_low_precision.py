@@ -122,37 +122,33 @@ def test_split_reproduces_float32_master_training_bit_for_bit():
     assert not np.array_equal(masters[0]["Dense_0"]["kernel"], weights[0]["Dense_0"]["kernel"])
 
 
-def _sum_small_updates(method, steps=100_000, n=256):
-    """``steps`` updates, each below half a bfloat16 ulp of its weight; returns (weights, float32 sums)."""
+def test_kahan_sums_updates_below_the_rounding_threshold():
+    """10**5 updates, each below half a bfloat16 ulp of its weight: Kahan against round to nearest."""
+    n, steps = 256, 100_000
     rng = np.random.default_rng(0)
     w0 = jnp.asarray(rng.choice([-1, 1], n) * 10.0 ** rng.uniform(-3, 3, n), BF16)
-    tx = (optax.identity() if method is None
-          else jmp_policy.low_precision_params(optax.identity(), method))
+    kahan = jmp_policy.low_precision_params(optax.identity(), "kahan")
+    nearest = optax.identity()  # plain bfloat16 weights
 
     @jax.jit
     def run(w0):
         def body(k, carry):
-            w, state, total = carry
+            (w, state), (v, plain), total = carry
             r = jax.random.uniform(jax.random.fold_in(jax.random.key(1), k), (n,), jnp.float32,
                                    -1.0, 1.0)
             # |u| <= 1.01 * 2**-10 |w0| < 2**-9 |w| <= half an ulp of w: a drift that
             # doubles the weight, plus a random walk around it.
             u = w0.astype(jnp.float32) * 2.0**-10 * (r + 0.01)
-            w, state = step(tx, w, u, state)
-            return w, state, total + u
+            return step(kahan, w, u, state), step(nearest, v, u, plain), total + u
 
-        return jax.lax.fori_loop(0, steps, body, (w0, tx.init(w0), w0.astype(jnp.float32)))
+        init = ((w0, kahan.init(w0)), (w0, nearest.init(w0)), w0.astype(jnp.float32))
+        (w, _), (v, _), total = jax.lax.fori_loop(0, steps, body, init)
+        return w, v, total
 
-    w, _, total = run(w0)
-    return w0, w, total
-
-
-def test_kahan_sums_updates_below_the_rounding_threshold():
-    w0, nearest, total = _sum_small_updates(None)
-    assert_bitwise_equal(nearest, w0)  # round to nearest never moves
+    w, v, total = run(w0)
+    assert_bitwise_equal(v, w0)  # round to nearest never moves
     assert np.all(np.abs(total / w0.astype(jnp.float32) - 1) > 0.2)  # float32 moved a lot
-    _, kahan, _ = _sum_small_updates("kahan")
-    np.testing.assert_array_less(np.abs(kahan.astype(jnp.float32) - total), 2 * ulp(total))
+    np.testing.assert_array_less(np.abs(w.astype(jnp.float32) - total), 2 * ulp(total))
 
 
 @pytest.mark.parametrize("dtype", [BF16, jnp.float16])
@@ -322,21 +318,23 @@ def test_stochastic_rounding_keeps_adams_second_moment_decaying():
     """With b2=0.999, nu shrinks 0.1% a step: below bfloat16's precision when rounded to nearest."""
     params = jnp.zeros(2**14)
     steps = 300
+    txs = [jmp_policy.cast_state(optax.scale_by_adam(b2=0.999), BF16, rounding=rounding)
+           for rounding in ("nearest", "stochastic")]
 
-    def final_nu(rounding):
-        tx = jmp_policy.cast_state(optax.scale_by_adam(b2=0.999), BF16, rounding=rounding)
-        state = tx.init(params)
-        _, state = tx.update(jnp.ones_like(params), state)
-        nu0 = state.inner_state.nu.astype(jnp.float32)
-        body = lambda _, s: tx.update(jnp.zeros_like(params), s)[1]  # noqa: E731
-        state = jax.jit(lambda s: jax.lax.fori_loop(0, steps, body, s))(state)
-        return nu0, state.inner_state.nu.astype(jnp.float32)
+    @jax.jit
+    def run(params):
+        out = []
+        for tx in txs:
+            _, state = tx.update(jnp.ones_like(params), tx.init(params))
+            body = lambda _, s, tx=tx: tx.update(jnp.zeros_like(params), s)[1]  # noqa: E731
+            last = jax.lax.fori_loop(0, steps, body, state)
+            out.append((state.inner_state.nu, last.inner_state.nu))
+        return out
 
-    nu0, nearest = final_nu("nearest")
+    (nu0, nearest), (_, stochastic) = run(params)
     np.testing.assert_array_equal(nearest, nu0)  # stuck
-    _, stochastic = final_nu("stochastic")
     expected = float(nu0[0]) * 0.999**steps
-    assert abs(float(stochastic.mean()) / expected - 1) < 0.005
+    assert abs(float(stochastic.astype(jnp.float32).mean()) / expected - 1) < 0.005
 
 
 # --------------------------------------------------------------------------- #
@@ -354,18 +352,21 @@ def _tiny_problem():
     return params, grads
 
 
-def _optimizer(method, rounding="stochastic"):
-    """AdamW with bfloat16 moments (``rounding=None``: float32 moments) for bfloat16 weights."""
+def _optimizer(method, rounding="stochastic", inner=None):
+    """AdamW (or ``inner``) with bfloat16 moments (``rounding=None``: float32) for bfloat16 weights."""
     # RBG keys: XLA:CPU compiles their bits far faster than threefry's.
-    inner = optax.adamw(1e-3)
+    inner = inner or optax.adamw(1e-3)
     if rounding is not None:
         inner = jmp_policy.cast_state(inner, BF16, rounding=rounding,
                                       seed=jax.random.key(5, impl="rbg"))
     return jmp_policy.low_precision_params(inner, method, seed=jax.random.key(7, impl="rbg"))
 
 
-def _per_method(wrap=lambda tx: tx, rounding="stochastic"):
-    return {method: wrap(_optimizer(method, rounding)) for method in METHODS}
+def _per_method(wrap=lambda tx: tx, rounding="stochastic", inner=None):
+    return {method: wrap(_optimizer(method, rounding, inner)) for method in METHODS}
+
+
+MOMENTUM = optax.sgd(1e-3, momentum=0.9)  # a state leaf per parameter, in fewer ops than Adam
 
 
 def test_a_skipped_step_leaves_weights_buffers_keys_and_moments_bit_for_bit():
@@ -396,8 +397,8 @@ def test_loss_scaling_inside_is_refused(wrapper):
 
 def test_multisteps_of_two_equals_one_step_on_the_mean_gradient():
     params, grads = _tiny_problem()
-    accumulated = _per_method(lambda tx: optax.MultiSteps(tx, every_k_schedule=2), rounding=None)
-    single = _per_method(rounding=None)
+    accumulated = _per_method(lambda tx: optax.MultiSteps(tx, every_k_schedule=2), None, MOMENTUM)
+    single = _per_method(rounding=None, inner=MOMENTUM)
     # The mean as MultiSteps computes it (Welford's update).
     mean = jax.tree.map(lambda a, b: a + (b - a) / 2, grads(0), grads(1))
     # States built outside the step, as in a train loop, so that XLA folds no
