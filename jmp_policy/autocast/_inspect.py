@@ -688,7 +688,7 @@ class Walk:
         number = self.registry.number(
             eqn, RowInfo(ctx.scope, eqn.primitive.name, " x ".join(d.name for d in ran_in), fp8))
         inputs = _as_autocast_sees_them(ctx, invals)
-        probe = _probe(ctx, eqn, inputs, lows, product)
+        probe = _probe(ctx, eqn, inputs, lows, product, fp8)
         # A float8 product's result is rescaled float32 that continues in the compute
         # dtype: its subnormals are the compute dtype's.
         tiny = float(jnp.finfo(ctx.compute if fp8 else ran_in[0]).tiny)  # type: ignore[no-untyped-call]
@@ -728,8 +728,8 @@ def _as_autocast_sees_them(ctx: Context, invals: Sequence[Pair]) -> list[Any]:
             for low, ref in invals]
 
 
-def _probe(ctx: Context, eqn: JaxprEqn, inputs: list[Any], lows: list[Any],
-           product: bool) -> Optional[list[Any]]:
+def _probe(ctx: Context, eqn: JaxprEqn, inputs: list[Any], lows: list[Any], product: bool,
+           fp8: bool) -> Optional[list[Any]]:
     """``eqn`` evaluated as autocast runs it on ``inputs``, or ``None`` where that is
     the float32 evaluation's result itself (float32 or wider results of float32
     inputs, values only moved or selected).
@@ -743,6 +743,15 @@ def _probe(ctx: Context, eqn: JaxprEqn, inputs: list[Any], lows: list[Any],
             return None
         if all(represents(dtype_of(o), F32) for o in lows if is_floating(o)):
             return None
+    if product and not fp8:
+        # A product of half-precision operands accumulated in float32 is the float32
+        # product of the operands rounded to half precision: each product of two halves
+        # is exact in float32. Computed so, as XLA's CPU backend lacks some half-
+        # precision products (bfloat16 batched products accumulated in float32).
+        wide = dataclasses.replace(ctx, compute=join(ctx.compute, F32), matmul=matmul)
+        rounded = [convert(convert(x, ctx.compute), wide.compute) if is_floating(x) else x
+                   for x in inputs]
+        return eval_equation(wide, eqn, rounded)
     return eval_equation(ctx, eqn, inputs)
 
 
