@@ -22,8 +22,8 @@ copied), its loss and gradients inspected three times:
 
 Prints the tables and writes ``reports.json`` (every report) and one plot per
 report (each scope's dynamic range against float16, bfloat16 and float8's) to
-``--out`` (default ``results/inspect_numerics/``); ``--docs-dir docs`` also
-writes the plots shown in ``docs/debugging.md``.
+``--out`` (default ``results/inspect_numerics/``); ``--docs-dir docs/img`` also
+writes the tables and plots that ``docs/debugging.md`` shows.
 """
 
 from __future__ import annotations
@@ -95,14 +95,12 @@ def inspect(loss_fn, params, tokens, policy, **kwargs):
     return report, {"first_call_s": first, "call_s": second}
 
 
-def loss_scale(report) -> Any:
-    """The suggested loss scale, with the warning it may give printed, not raised."""
+def loss_scale(report) -> tuple:
+    """The suggested loss scale, and the warning it may give, as text."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         scale = report.suggest_loss_scale()
-    for w in caught:
-        print(f"  note: {w.message}")
-    return scale
+    return scale, [str(w.message) for w in caught]
 
 
 def finite_or_none(x: Any) -> Any:
@@ -120,9 +118,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join("results", "inspect_numerics"))
     parser.add_argument("--docs-dir", default=None,
-                        help="also write the plots shown in docs/debugging.md here")
+                        help="also write the tables and plots shown in docs/debugging.md here "
+                             "(debugging-*.txt and .png; docs/img for the docs)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--worst", type=int, default=10, help="rows of each table")
+    parser.add_argument("--worst", type=int, default=8, help="rows of each table")
     for field in ("d_model", "heads", "layers", "seq_len", "batch_size"):
         parser.add_argument("--" + field.replace("_", "-"), type=int,
                             default=getattr(lm.Config(), field))
@@ -136,46 +135,55 @@ def main(argv=None) -> None:
     tokens = jnp.asarray(next(lm.batches(lm.load_text(), config, args.seed)))
     os.makedirs(args.out, exist_ok=True)
     results: Dict[str, Any] = {"device": str(jax.devices()[0]), "config": vars(args)}
+    reports: Dict[str, Any] = {}
+    texts: Dict[str, str] = {}
 
     print("1. mixed_float16: the LM's loss and gradients\n")
     report, times = inspect(loss_fn, params, tokens, "mixed_float16")
-    print(report.worst(args.worst))
-    scale = loss_scale(report)
-    print(f"\n  suggested loss scale: 2**{int(math.log2(scale))}\n")
+    scale, notes = loss_scale(report)
+    texts["float16"] = "\n".join([str(report.worst(args.worst)), "",
+                                  f"suggested loss scale: 2**{int(math.log2(scale))}",
+                                  *(f"({n})" for n in notes)])
     results["float16"] = {"report": json.loads(report.to_json()), "loss_scale": scale, **times}
-    plots = {"float16": report}
+    reports["float16"] = report
 
     print("2. mixed_bfloat16 with float8 products (fp8='rowwise')\n")
     report8, times = inspect(loss_fn, params, tokens, "mixed_bfloat16", fp8="rowwise")
-    print(report8.worst(args.worst))
     flushed = sum(r.fp8_flushed or 0 for r in report8)
-    print(f"\n  float8 operand values flushed to zero, all products: {flushed}\n")
+    saturated = sum(r.fp8_saturated or 0 for r in report8)
+    texts["float8"] = "\n".join([str(report8.worst(args.worst)), "",
+                                 f"float8 operand values, all products: {flushed} flushed to "
+                                 f"zero, {saturated} saturated"])
     results["float8"] = {"report": json.loads(report8.to_json()), **times}
-    plots["float8"] = report8
+    reports["float8"] = report8
 
     print(f"3. a fragile variant: {'/'.join(FRAGILE_LAYER)}'s kernel x {FRAGILE_SCALE:g}\n")
     broken = fragile(params)
     report_f, times = inspect(loss_fn, broken, tokens, "mixed_float16")
-    print(report_f.worst(3))
     rules = report_f.suggest_rules()
     before = float(jmp_policy.autocast(loss_fn, "mixed_float16")(broken, tokens))
     after = float(jmp_policy.autocast(loss_fn, "mixed_float16", rules=rules)(broken, tokens))
     exact = float(jax.jit(loss_fn)(broken, tokens))
-    print(f"\n  suggested rules: {rules}")
-    print(f"  loss: float32 {exact:.4f}, autocast {before:.4f}, "
-          f"autocast with the suggested rules {after:.4f}\n")
+    texts["fragile"] = "\n".join([
+        str(report_f.worst(4)), "", f"suggested rules: {rules}",
+        f"loss: float32 {exact:.4f}, autocast {before:.4f}, "
+        f"autocast with the suggested rules {after:.4f}"])
     results["fragile"] = {"report": json.loads(report_f.to_json()), "rules": rules,
                           "loss": {"float32": exact, "autocast": before,
                                    "autocast_with_rules": after}, **times}
-    plots["fragile"] = report_f
+    reports["fragile"] = report_f
 
-    for name, r in plots.items():
+    for name, r in reports.items():
+        print(texts[name], end="\n\n")
         r.plot(os.path.join(args.out, f"lm_{name}.png"))
         if args.docs_dir:
-            r.plot(os.path.join(args.docs_dir, f"debugging-{name}.png"))
+            with open(os.path.join(args.docs_dir, f"debugging-{name}.txt"), "w") as f:
+                f.write(texts[name] + "\n")
+            if name != "float8":  # its ranges are float16's: the float32 evaluation's
+                r.plot(os.path.join(args.docs_dir, f"debugging-{name}.png"))
     with open(os.path.join(args.out, "reports.json"), "w") as f:
         json.dump(finite_or_none(results), f, indent=1, allow_nan=False)
-    for name in ("float16", "float8", "fragile"):
+    for name in reports:
         t = results[name]
         print(f"inspection ({name}): first call {t['first_call_s']:.1f} s (tracing and "
               f"compiling), then {t['call_s']:.2f} s")

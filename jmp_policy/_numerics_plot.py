@@ -37,13 +37,18 @@ def _format_range(name: str) -> tuple[float, float, float]:
     return float(info.smallest_subnormal), float(info.tiny), float(info.max)
 
 
+# The axis spans the data within these bounds: a mask's -3.4e38 or a flushed 1e-40 would
+# otherwise squeeze every other range into a corner (their bars run to the edge).
+_AXIS = (2.0 ** -80, 2.0 ** 80)
+
+
 def plot_ranges(ranges: Sequence[ScopeRange], path: str, title: str) -> None:
     """Writes a horizontal bar per scope range, under a bar per format, to ``path``."""
     Figure = _figure_class()
     formats = [(name, *_format_range(name)) for name in FORMATS]
     labels = [f"{r.label} ({r.phase})" for r in ranges]
     n = len(formats) + len(ranges)
-    fig = Figure(figsize=(10, 1.6 + 0.28 * n))
+    fig = Figure(figsize=(10, 1.8 + 0.27 * n))
     ax = fig.add_subplot()
     y = list(range(n))[::-1]
     for row, (name, sub, tiny, top) in zip(y, formats):
@@ -57,19 +62,22 @@ def plot_ranges(ranges: Sequence[ScopeRange], path: str, title: str) -> None:
     _, f16_sub, f16_tiny, f16_max = formats[0]
     for x in (f16_tiny, f16_max):
         ax.axvline(x, color="0.3", ls=":", lw=1)
-    low = min([f16_sub] + [r.smallest for r in ranges]) / 100
-    high = max([f16_max] + [r.largest for r in ranges if r.largest > 0]) * 100
+    low = min([f16_sub] + [r.smallest for r in ranges]) / 10
+    high = max([f16_max] + [r.largest for r in ranges if r.largest > 0]) * 10
     ax.set_xscale("log")
-    ax.set_xlim(low, high)
+    ax.set_xlim(max(low, _AXIS[0]), min(high, _AXIS[1]))
     ax.set_yticks(y, [f"[{name}]" for name, *_ in formats] + labels, fontsize=8)
     ax.set_ylim(-1, n)
-    ax.set_xlabel("magnitude (float32 evaluation; formats: normal range solid, "
-                  "subnormal light; dotted: float16's normal range)")
-    handles = [ax.plot([], [], color=c, lw=6)[0] for c in
-               (_PHASE_COLORS["forward"], _PHASE_COLORS["backward"], "tab:red")]
-    ax.legend(handles, ["forward", "backward", "overflows in low precision"], loc="lower right",
-              fontsize=8)
+    ax.set_xlabel("magnitude (in the float32 evaluation)")
+    styles = [(_PHASE_COLORS["forward"], 1.0, "-", 6, "forward"),
+              (_PHASE_COLORS["backward"], 1.0, "-", 6, "backward"),
+              ("tab:red", 1.0, "-", 6, "overflows in low precision"),
+              (_FORMAT_COLOR, 1.0, "-", 6, "format: normal range"),
+              (_FORMAT_COLOR, 0.35, "-", 6, "format: subnormals"),
+              ("0.3", 1.0, ":", 1, "float16's normal range")]
+    handles = [ax.plot([], [], color=c, alpha=a, ls=ls, lw=lw)[0] for c, a, ls, lw, _ in styles]
+    ax.legend(handles, [label for *_, label in styles], loc="lower right", fontsize=8)
     ax.set_title(f"Dynamic range per scope: {title}", fontsize=10)
     ax.grid(axis="x", alpha=0.3, which="major")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80, bbox_inches="tight")

@@ -8,10 +8,13 @@ call site), named by their ``jax.named_scope`` path, so Flax module paths
 (``Block_0/Dense_1``) appear. With ``argnums``, the backward pass is reported
 too, and the report suggests a loss scale.
 
-Each low-precision result is compared with the same operation evaluated in
-float32 on the same inputs: an overflow or a value flushed to zero is counted
-where it happens, not again at every operation that merely passes an inf or a
-zero on. The float32 evaluation of the whole function gives the value ranges
+Each operation that autocast does not run in float32 (matrix products, and
+operations on half-precision values) is evaluated as autocast runs it on the
+float32 evaluation's inputs and compared with the float32 result: a row shows
+what its own operation loses. An overflow or a flush to zero upstream neither
+hides one downstream nor is counted again at every operation that passes an
+inf or a zero on, so one round of `NumericsReport.suggest_rules` fixes a
+model. The float32 evaluation also gives the value ranges
 (`NumericsReport.plot`) and the gradient magnitudes that a loss scale must
 bring into range (`NumericsReport.suggest_loss_scale`).
 
@@ -56,7 +59,7 @@ from jmp_policy.autocast._inspect import (
     HISTOGRAM, Packing, Registry, VALUE_PRESERVING, display_scope, evaluate, pack, phase_of,
     unpack)
 from jmp_policy.autocast._interpreter import Context, higher_order_names
-from jmp_policy.autocast._lattice import F32, convert, dtype_of, is_floating, join
+from jmp_policy.autocast._lattice import F32, is_floating, join
 from jmp_policy.autocast._matmul import matmul
 from jmp_policy.autocast._rules import Rules, parse_rules
 from jmp_policy.policy import Policy, PolicyLike, as_policy
@@ -75,7 +78,10 @@ _NORMAL_SHARE = 0.999
 class NumericsRow:
     """One operation of the inspected function: its low-precision result against float32.
 
-    Inside a loop body (``scan``, ``while_loop``), one row holds all the
+    The low-precision result is the operation evaluated as autocast runs it on
+    the float32 evaluation's inputs (so it shows what the operation itself
+    loses); for an operation that autocast runs in float32 it is the float32
+    result. Inside a loop body (``scan``, ``while_loop``), one row holds all the
     iterations of its operation.
 
     Attributes:
@@ -543,7 +549,7 @@ def _table(rows: Sequence[NumericsRow], meta: _Meta) -> str:
             for line in [list(columns)] + cells]
     overflow = sum(1 for r in rows if r.overflow)
     underflow = sum(1 for r in rows if r.underflow)
-    head = (f"Numerics of {_title(meta)}: {len(rows)} operations, {overflow} overflowing, "
+    head = (f"Numerics of {_title(meta)}: {len(rows)} rows, {overflow} overflowing, "
             f"{underflow} underflowing")
     rule = "-+-".join("-" * w for w in widths)
     return "\n".join([head, text[0], rule, *text[1:]])
