@@ -461,7 +461,7 @@ def test_nested_jit_keeps_its_shardings_and_shard_map_is_autocast():
         assert abs(float(ga[0, 0]) - float(jax.grad(lambda a: sm(a, w).sum())(a)[0, 0])) < 1e-2
         print("ok")
     """)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                          timeout=120)

@@ -35,7 +35,7 @@ def _steps():
     return plain, guarded
 
 
-def test_measure_report_and_json_schema(harness, tmp_path):
+def test_measure_report_and_json_schema(harness, tmp_path, monkeypatch):
     plain, guarded = _steps()
     p = {"w": jnp.ones((64, 32)), "b": jnp.ones(7)}
     cases = [harness.Case("plain", plain, (p, p), donate_argnums=(0,), carry=1),
@@ -46,6 +46,8 @@ def test_measure_report_and_json_schema(harness, tmp_path):
     assert [r["name"] for r in rows] == ["plain", "guarded"]
     assert [f["name"] for f in failed] == ["broken"] and "NameError" in failed[0]["error"]
 
+    # The command reproduces the run: with the XLA flags it ran under.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
     report = harness.Report("test_bench", "a tiny benchmark", settings={"n": 1}, argv=["--x"])
     report.table("main", "tiny steps", baseline="plain").add_rows(rows)
     report.failed(failed)
@@ -57,7 +59,8 @@ def test_measure_report_and_json_schema(harness, tmp_path):
     assert data["schema"] == "jmp_policy-benchmark/1"
     assert {"benchmark", "description", "command", "environment", "settings", "tables", "failed",
             "notes"} <= set(data)
-    assert data["command"].startswith("python ") and data["command"].endswith("--x")
+    assert data["command"].startswith("XLA_FLAGS=--xla_cpu_enable_fast_math=false python ")
+    assert data["command"].endswith("--x")
     env = data["environment"]
     for key in ("date", "git_commit", "python", "packages", "backend", "device_kind",
                 "device_count", "host_cpus", "xla_flags"):

@@ -608,7 +608,7 @@ def test_casts_preserve_shardings_on_8_devices():
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _SHARDING_SCRIPT], env=env,
                           capture_output=True, text=True, timeout=300)
