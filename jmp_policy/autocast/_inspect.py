@@ -91,9 +91,6 @@ _REDUCTION: dict[str, str] = {
     "ref_sq": "scaled", "fp8_saturated": "sum", "fp8_flushed": "sum",
     "f32_min": "min", "f32_max": "max", "hist": "sum",
 }
-# The statistics of the float32 side; the others are of the low-precision side.
-_FLOAT32_SIDE = frozenset({"f32_min", "f32_max", "hist"})
-
 # Primitives whose results are values of their inputs, moved or selected: they can
 # neither overflow nor round, and add no new values to the gradient histogram.
 VALUE_PRESERVING = frozenset({
@@ -245,21 +242,6 @@ def _completed(sink: Sink, shapes: dict[int, dict[str, Any]]) -> Sink:
                              else _identity(name, s.shape, s.dtype)
                              for name, s in fields.items()}
     return completed
-
-
-def _side(sink: Sink, float32_side: bool) -> Sink:
-    """The statistics of one side of the evaluation only."""
-    return {number: {name: x for name, x in stats.items()
-                     if (name in _FLOAT32_SIDE) == float32_side}
-            for number, stats in sink.items()}
-
-
-def _masked(sink: Sink, low_taken: Any, ref_taken: Any) -> Sink:
-    """``sink`` with the statistics of a side that did not run replaced by identities."""
-    return {number: {name: jnp.where(ref_taken if name in _FLOAT32_SIDE else low_taken,
-                                     x, _identity(name, x.shape, x.dtype))
-                     for name, x in stats.items()}
-            for number, stats in sink.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -829,6 +811,11 @@ def _scan(walk: Walk, low: Context, ref: Context, eqn: JaxprEqn, invals: list[Pa
     return [*carry, *ys]
 
 
+# Loops and branches follow the float32 evaluation: the statistics come from its values
+# (and the probes of them), autocast's side only gives dtypes, and its values, unused,
+# are dropped by XLA. So a loop runs while the float32 evaluation's condition holds,
+# and a branch is the one the float32 evaluation takes.
+
 @_handles(P.while_p)
 def _while(walk: Walk, low: Context, ref: Context, eqn: JaxprEqn, invals: list[Pair],
            level: Level) -> list[Pair]:
@@ -840,13 +827,6 @@ def _while(walk: Walk, low: Context, ref: Context, eqn: JaxprEqn, invals: list[P
     ref_d = _carry_dtypes(ref, body, [x for _, x in invals[cn:]], bn, len(invals) - cn - bn)
     cond_consts, body_consts = invals[:cn], invals[cn:cn + bn]
 
-    # Each side loops while its own condition holds (as autocast evaluates it; the
-    # condition's equations have no rows): a side that is done keeps its carry.
-    def running(carry: list[Pair]) -> tuple[Any, Any]:
-        (l,) = eval_jaxpr(low, cond.jaxpr, cond.consts, [x for x, _ in cond_consts + carry])
-        (r,) = eval_jaxpr(ref, cond.jaxpr, cond.consts, [x for _, x in cond_consts + carry])
-        return l, r
-
     def step(carry: list[Pair]) -> tuple[list[Pair], Sink]:
         inner = level.inner()
         outs = walk.jaxpr(low, ref, body.jaxpr, pairs(body.consts), [*body_consts, *carry], inner)
@@ -855,19 +835,17 @@ def _while(walk: Walk, low: Context, ref: Context, eqn: JaxprEqn, invals: list[P
     carry = _cast_pairs(low, ref, invals[cn + bn:], low_d, ref_d)
     shapes = jax.eval_shape(lambda c: step(c)[1], carry)
 
+    def running(state: tuple[list[Pair], Sink]) -> Any:
+        # The condition's equations have no rows: a loop's condition returns a boolean.
+        args = [x for _, x in cond_consts + state[0]]
+        (holds,) = eval_jaxpr(ref, cond.jaxpr, cond.consts, args)
+        return holds
+
     def loop(state: tuple[list[Pair], Sink]) -> tuple[list[Pair], Sink]:
-        old, totals = state
-        l, r = running(old)
-        new, inner = step(old)
-        kept = [(lax.select(l, a, x), lax.select(r, b, y)) for (a, b), (x, y) in zip(new, old)]
-        inner = _masked(_completed(inner, shapes), l, r)
-        return kept, {n: combine(totals[n], s) for n, s in inner.items()}
+        new, inner = step(state[0])
+        return new, {n: combine(state[1][n], s) for n, s in _completed(inner, shapes).items()}
 
-    def either(state: tuple[list[Pair], Sink]) -> Any:
-        l, r = running(state[0])
-        return l | r
-
-    carry, totals = lax.while_loop(either, loop, (carry, _completed({}, shapes)))
+    carry, totals = lax.while_loop(running, loop, (carry, _completed({}, shapes)))
     merge(level.sink, totals)
     return carry
 
@@ -875,46 +853,34 @@ def _while(walk: Walk, low: Context, ref: Context, eqn: JaxprEqn, invals: list[P
 @_handles(P.cond_p)
 def _cond(walk: Walk, low: Context, ref: Context, eqn: JaxprEqn, invals: list[Pair],
           level: Level) -> list[Pair]:
-    (low_index, ref_index), ops = invals[0], invals[1:]
+    (_, index), ops = invals[0], invals[1:]
     branches: Sequence[ClosedJaxpr] = Params(eqn)["branches"]
-    n = len(branches)
 
-    def side(k: int, *ops: Pair) -> tuple[list[Pair], Sink]:
-        inner = level.inner()
-        b = branches[k]
-        return walk.jaxpr(low, ref, b.jaxpr, pairs(b.consts), ops, inner), inner.finish()
+    def branch(closed: ClosedJaxpr) -> Callable[..., tuple[list[Pair], Sink]]:
+        def run(*ops: Pair) -> tuple[list[Pair], Sink]:
+            inner = level.inner()
+            outs = walk.jaxpr(low, ref, closed.jaxpr, pairs(closed.consts), ops, inner)
+            return outs, inner.finish()
+        return run
 
-    # Each side takes its own branch: the two evaluations agree on the branch taken
-    # unless a floating comparison decides it, and then each side's rows come from
-    # its own branch. Branch k * n + j runs branch k on the low side, j on the other.
-    def run(k: int, j: int) -> Callable[..., tuple[list[Pair], Sink]]:
-        def both(*ops: Pair) -> tuple[list[Pair], Sink]:
-            if k == j:
-                return side(k, *ops)
-            (outs_k, sink_k), (outs_j, sink_j) = side(k, *ops), side(j, *ops)
-            sink = _side(sink_k, False)
-            merge(sink, _side(sink_j, True))
-            return [(x, y) for (x, _), (_, y) in zip(outs_k, outs_j)], sink
-        return both
-
-    runs = [run(k, j) for k in range(n) for j in range(n)]
+    runs = [branch(b) for b in branches]
     traced = [jax.eval_shape(r, *ops) for r in runs]
     # Every branch returns the same types (per side, the join of what the branches
     # produce) and the statistics of every branch's rows, identities where it has none.
-    low_d = [_join_all([t[0][i][0].dtype for t in traced]) for i in range(len(traced[0][0]))]
-    ref_d = [_join_all([t[0][i][1].dtype for t in traced]) for i in range(len(traced[0][0]))]
+    n_out = len(traced[0][0])
+    low_d = [_join_all([t[0][i][0].dtype for t in traced]) for i in range(n_out)]
+    ref_d = [_join_all([t[0][i][1].dtype for t in traced]) for i in range(n_out)]
     shapes: dict[int, dict[str, Any]] = {}
     for _, sink in traced:
         for number, fields in sink.items():
             shapes.setdefault(number, {}).update(fields)
 
-    def agreed(r: Callable[..., tuple[list[Pair], Sink]]) -> Callable[..., Any]:
+    def agreed(run: Callable[..., tuple[list[Pair], Sink]]) -> Callable[..., Any]:
         def run_agreed(*ops: Pair) -> tuple[list[Pair], Sink]:
-            outs, sink = r(*ops)
+            outs, sink = run(*ops)
             return _converted(outs, low_d, ref_d), _completed(sink, shapes)
         return run_agreed
 
-    index = lax.convert_element_type(low_index, np.int32) * n + ref_index
     outs, sink = lax.switch(index, [agreed(r) for r in runs], *ops)
     merge(level.sink, sink)
     return list(outs)
