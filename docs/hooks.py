@@ -158,7 +158,13 @@ def render_all_reports() -> str:
     if not files:
         return ("!!! note \"No reports\"\n    No benchmark report in `benchmarks/results/`: "
                 "run a script of `benchmarks/` (see its README).\n")
-    loaded = [(path, _load(path)) for path in files]
+    loaded = []
+    for path in files:
+        try:
+            loaded.append((path, _load(path)))
+        except (ValueError, KeyError) as e:  # json.JSONDecodeError is a ValueError
+            log.warning("benchmarks/results/%s is not a readable report: %s",
+                        os.path.basename(path), e)
     gpu = [(p, r) for p, r in loaded if r["environment"].get("backend") not in ("cpu", None)]
     cpu = [(p, r) for p, r in loaded if (p, r) not in gpu]
     out = []
