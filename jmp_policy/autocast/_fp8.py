@@ -357,13 +357,20 @@ def quantization_counts(x: Any, dtype: Any, scaling: str, contracting_axes: Sequ
     """
     inv = inverse_scale(x, dtype, scaling, contracting_axes, power_of_two)
     scaled = lax.mul(lax.convert_element_type(x, _F32), inv)
-    saturated = jnp.logical_not(lax.abs(scaled) < np.float32(_overflow_threshold(dtype)))
-    q, _ = quantize(x, dtype, scaling, contracting_axes, power_of_two=power_of_two)
-    # In a row holding inf (factor 0) every product is NaN anyway: nothing there is flushed.
+    magnitude = lax.abs(scaled)
+    saturated = jnp.logical_not(magnitude < np.float32(_overflow_threshold(dtype)))
+    # Rounding to nearest (ties to even) gives zero exactly up to half the smallest
+    # subnormal: compared so, without a conversion that CPUs emulate. In a row holding
+    # inf (factor 0) every product is NaN anyway: nothing there is flushed.
     flushed = jnp.logical_and(jnp.logical_and(lax.ne(x, jnp.zeros_like(x)), inv > 0),
-                              lax.eq(lax.convert_element_type(q, _F32), np.float32(0)))
+                              magnitude <= np.float32(_flush_threshold(dtype)))
     return QuantizationCounts(jnp.sum(saturated, dtype=np.int32),
                               jnp.sum(flushed, dtype=np.int32))
+
+
+def _flush_threshold(dtype: Any) -> float:
+    """The largest magnitude that rounds to zero in ``dtype``: half its smallest subnormal."""
+    return float(jnp.finfo(dtype).smallest_subnormal) / 2  # type: ignore[no-untyped-call]
 
 
 def _overflow_threshold(dtype: Any) -> float:
