@@ -14,10 +14,11 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive
+from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 import jmp_policy
+from jaxpr_walk import eqns
 from jmp_policy import autocast
 from jmp_policy import AutocastWarning
 
@@ -25,25 +26,6 @@ F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.flo
 
 
 # --- jaxpr inspection -----------------------------------------------------------
-
-def _sub_jaxprs(params):
-    for value in params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, ClosedJaxpr):
-                yield v.jaxpr
-            elif isinstance(v, Jaxpr):
-                yield v
-
-
-def eqns(jaxpr):
-    """Every equation of ``jaxpr``, nested ones included."""
-    if isinstance(jaxpr, ClosedJaxpr):
-        jaxpr = jaxpr.jaxpr
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in _sub_jaxprs(eqn.params):
-            yield from eqns(sub)
-
 
 def find(fn, *args, name):
     found = [e for e in eqns(jax.make_jaxpr(fn)(*args)) if e.primitive.name == name]

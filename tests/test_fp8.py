@@ -14,9 +14,9 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr
 
 import jmp_policy
+from jaxpr_walk import eqns
 from jmp_policy import Float8Recipe, autocast
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
@@ -25,25 +25,6 @@ SCALINGS = ("tensorwise", "rowwise")
 
 
 # --- jaxpr inspection -----------------------------------------------------------------
-
-def _sub_jaxprs(params):
-    for value in params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, ClosedJaxpr):
-                yield v.jaxpr
-            elif isinstance(v, Jaxpr):
-                yield v
-
-
-def eqns(jaxpr):
-    """Every equation of ``jaxpr``, nested ones included."""
-    if isinstance(jaxpr, ClosedJaxpr):
-        jaxpr = jaxpr.jaxpr
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in _sub_jaxprs(eqn.params):
-            yield from eqns(sub)
-
 
 def dots(fn, *args):
     """``(lhs dtype, rhs dtype, accumulation dtype)`` of every dot_general of ``fn``'s jaxpr."""
