@@ -297,23 +297,37 @@ def main(argv=None) -> None:
     import matplotlib.pyplot as plt
 
     fp8_runs = [r for r in results if r["run"] != jmp_policy.Policy(r["policy"]).name]
-    fig, axes = plt.subplots(1, 3 if fp8_runs else 2, figsize=(16.5 if fp8_runs else 11, 4))
-    ax_loss, ax_scale = axes[:2]
-    for r in results:
-        ax_loss.plot(np.asarray(r["losses"]) / math.log(2), label=r["run"])
-        ax_scale.plot(r["loss_scales"], label=r["run"])
-    ax_loss.set(title="training loss", xlabel="step", ylabel="bits per byte")
-    ax_scale.set(title="loss scale", xlabel="step", yscale="log")
-    if fp8_runs:  # the float8 curves overlap the others: show their difference, smoothed
-        base, window = results[0], max(1, args.steps // 20)
-        smooth = lambda r: np.convolve(np.asarray(r["losses"]) / math.log(2),  # noqa: E731
-                                       np.ones(window) / window, mode="valid")
-        for r in fp8_runs:  # in the colours of the first panel
-            axes[2].plot(np.arange(window - 1, args.steps), smooth(r) - smooth(base),
-                         label=r["run"], color=f"C{results.index(r)}")
-        axes[2].axhline(0, color="black", lw=0.8)
-        axes[2].set(title=f"float8 runs minus {base['run']} (mean of {window} steps)",
-                    xlabel="step", ylabel="training loss difference (bits per byte)")
+    # A loss-scale panel only where a run scales its loss (float16): bfloat16's is 1.
+    scaled = [r for r in results if any(s != 1 for s in r["loss_scales"])]
+    panels = ["loss"] + ["scale"] * bool(scaled) + ["fp8"] * bool(fp8_runs)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    ax = dict(zip(panels, axes[0]))
+    window = max(1, args.steps // 20)
+
+    def smooth(r: dict) -> np.ndarray:  # bits per byte, moving average: noisy batches
+        return np.convolve(np.asarray(r["losses"]) / math.log(2), np.ones(window) / window,
+                           mode="valid")
+
+    steps = np.arange(window - 1, args.steps)
+    marks = max(1, len(steps) // 10)
+    for k, r in enumerate(results):  # line styles and markers keep overlapping curves apart
+        style = dict(color=f"C{k}", linestyle=["-", "--", ":", "-."][k % 4], marker="osD^v"[k % 5],
+                     markevery=(k * marks // len(results), marks))
+        label = f"{r['run']} (held out {r['test_bits_per_byte']:.3f})"
+        ax["loss"].plot(steps, smooth(r), label=label, **style)
+        if r in scaled:
+            ax["scale"].plot(r["loss_scales"], label=r["run"], color=f"C{k}")
+        if r in fp8_runs:  # the float8 curves overlap the others: show their difference
+            ax["fp8"].plot(steps, smooth(r) - smooth(results[0]), label=r["run"], **style)
+    ax["loss"].set(title=f"training loss (mean of {window} steps)", xlabel="step",
+                   ylabel="bits per byte")
+    if scaled:
+        ax["scale"].set(title="loss scale", xlabel="step", yscale="log")
+    if fp8_runs:
+        ax["fp8"].axhline(0, color="black", lw=0.8)
+        ax["fp8"].set(title=f"float8 runs minus {results[0]['run']}", xlabel="step",
+                      ylabel="training loss difference (bits per byte)")
+    axes = axes[0]
     for ax in axes:
         ax.legend()
         ax.grid(alpha=0.3)
