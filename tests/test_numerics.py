@@ -39,12 +39,12 @@ def data():
 
 @pytest.fixture(scope="module")
 def float32_run(data):
-    return td.train("float32", steps=400, seed=0, data=data)
+    return td.train("float32", steps=250, seed=0, data=data)
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_mixed_precision_matches_float32_accuracy(policy, data, float32_run):
-    run = td.train(policy, steps=400, seed=0, data=data)
+    run = td.train(policy, steps=250, seed=0, data=data)
     assert float32_run["test_accuracy"] > 0.95  # the comparison is with a model that learned
     assert abs(run["test_accuracy"] - float32_run["test_accuracy"]) <= 0.01, (
         policy, run["test_accuracy"], float32_run["test_accuracy"])
