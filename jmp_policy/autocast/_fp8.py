@@ -341,41 +341,24 @@ class QuantizationCounts(NamedTuple):
     flushed_to_zero: jax.Array
 
 
-def quantization_counts(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int], *,
-                        power_of_two: bool = False) -> QuantizationCounts:
-    """How many values of ``x`` `quantize` would lose, as ``(saturated, flushed_to_zero)``.
+def quantization_counts(x: Any, quantized: tuple[jax.Array, jax.Array]) -> QuantizationCounts:
+    """How many values of ``x`` its `quantize` result ``(q, scale)`` lost.
 
-    ``saturated``: values whose scaled magnitude would round beyond ``dtype``'s
-    largest finite value, inf and NaN included (with current scaling, finite
-    values never do). ``flushed_to_zero``: nonzero values that become zero
-    (outside rows holding inf, whose products are NaN anyway).
+    ``saturated``: values that became no finite float8 value, inf and NaN
+    included (with current scaling, finite values never do).
+    ``flushed_to_zero``: nonzero values that became zero (outside rows holding
+    inf or NaN, whose products are NaN anyway).
 
     >>> import jax.numpy as jnp
     >>> x = jnp.array([[1e4, 1e-3, 0.0], [1.0, 1e-3, jnp.inf]])
-    >>> [int(c) for c in quantization_counts(x, jnp.float8_e4m3fn, "rowwise", (1,))]
+    >>> q = quantize(x, jnp.float8_e4m3fn, "rowwise", (1,))
+    >>> [int(c) for c in quantization_counts(x, q)]
     [1, 1]
     """
-    inv = inverse_scale(x, dtype, scaling, contracting_axes, power_of_two)
-    scaled = lax.mul(lax.convert_element_type(x, _F32), inv)
-    magnitude = lax.abs(scaled)
-    saturated = jnp.logical_not(magnitude < np.float32(_overflow_threshold(dtype)))
-    # Rounding to nearest (ties to even) gives zero exactly up to half the smallest
-    # subnormal: compared so, without a conversion that CPUs emulate. In a row holding
-    # inf (factor 0) every product is NaN anyway: nothing there is flushed.
-    flushed = jnp.logical_and(jnp.logical_and(lax.ne(x, jnp.zeros_like(x)), inv > 0),
-                              magnitude <= np.float32(_flush_threshold(dtype)))
+    q, scale = quantized
+    wide = lax.convert_element_type(q, _F32)
+    saturated = jnp.logical_not(jnp.isfinite(wide))
+    flushed = jnp.logical_and(jnp.logical_and(lax.ne(x, jnp.zeros_like(x)), jnp.isfinite(scale)),
+                              lax.eq(wide, np.float32(0)))
     return QuantizationCounts(jnp.sum(saturated, dtype=np.int32),
                               jnp.sum(flushed, dtype=np.int32))
-
-
-def _flush_threshold(dtype: Any) -> float:
-    """The largest magnitude that rounds to zero in ``dtype``: half its smallest subnormal."""
-    return float(jnp.finfo(dtype).smallest_subnormal) / 2  # type: ignore[no-untyped-call]
-
-
-def _overflow_threshold(dtype: Any) -> float:
-    """The smallest magnitude that does not round to a finite value of ``dtype``."""
-    info = jnp.finfo(dtype)  # type: ignore[no-untyped-call]
-    top = float(info.max)
-    spacing = 2.0 ** (math.floor(math.log2(top)) - int(info.nmant))  # between the two largest
-    return top + spacing / 2

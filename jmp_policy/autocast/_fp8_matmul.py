@@ -147,7 +147,8 @@ def _scaled_product(a: Quantized, b: Quantized, layout: _Layout, out: jax.Array)
     return lax.mul(lax.mul(out, sa), sb)
 
 
-def _float8_dot(a: Quantized, b: Quantized, dims: Any) -> jax.Array:
+def float8_dot(a: Quantized, b: Quantized, dims: Any) -> jax.Array:
+    """``dot_general(a, b, dims)`` of quantized operands, float32 accumulation, rescaled."""
     layout = _Layout.of(dims, a[0].ndim, b[0].ndim)
     out = lax.dot_general(a[0], b[0], dims, preferred_element_type=F32)
     return _scaled_product(a, b, layout, out)
@@ -205,11 +206,11 @@ def float8_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DType, DT
         a_res, b_res = res
         g_lhs = q(g, recipe.bwd_dtype, layout.out_rhs_free)
         dims, perm = layout.lhs_gradient()
-        grad_lhs = lax.transpose(_float8_dot(g_lhs, b_res, dims), perm)
+        grad_lhs = lax.transpose(float8_dot(g_lhs, b_res, dims), perm)
         dims, perm = layout.rhs_gradient()
         if isinstance(a_res, tuple):
             g_rhs = g_lhs if tensorwise else q(g, recipe.bwd_dtype, layout.out_lhs_free)
-            grad_rhs = _float8_dot(g_rhs, a_res, dims)
+            grad_rhs = float8_dot(g_rhs, a_res, dims)
         else:
             # As the matmul class's backward products: compute-dtype operands and result.
             grad_rhs = lax.dot_general(convert(g, compute), convert(a_res, compute), dims,

@@ -58,7 +58,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal as JaxprLitera
 
 from jmp_policy._dtypes import is_floating_dtype
 from jmp_policy.autocast._fp8 import (
-    Float8Recipe, contracting_axes, eligible, operand_dtypes, quantization_counts)
+    Float8Recipe, contracting_axes, eligible, operand_dtypes, quantization_counts, quantize)
+from jmp_policy.autocast._fp8_matmul import Quantized, float8_dot
 from jmp_policy.autocast._higher_order import _scan_sizes, _stable_carry
 from jmp_policy.autocast._interpreter import (
     Context, Params, _Casts, eval_equation, eval_jaxpr, higher_order_names)
@@ -558,12 +559,16 @@ def histogram(values: Sequence[Any], one: Any) -> jax.Array:
     return counts.at[255].set(0)
 
 
-def _fp8_stats(recipe: Float8Recipe, eqn: JaxprEqn, scope: str, invals: Sequence[Any]) -> Stats:
+def _quantized(recipe: Float8Recipe, eqn: JaxprEqn, scope: str,
+               inputs: Sequence[Any]) -> list[Quantized]:
+    """The float8 operands of a product, as autocast's float8 rule quantizes them."""
+    return [quantize(x, fmt, recipe.scaling, axes, power_of_two=recipe.power_of_two_scales)
+            for x, fmt, axes in zip(inputs, operand_dtypes(recipe, scope), contracting_axes(eqn))]
+
+
+def _fp8_stats(inputs: Sequence[Any], quantized: Sequence[Quantized]) -> Stats:
     """How many operand values of a float8 product saturate or flush to zero."""
-    formats = operand_dtypes(recipe, scope)
-    counts = [quantization_counts(x, fmt, recipe.scaling, axes,
-                                  power_of_two=recipe.power_of_two_scales)
-              for x, fmt, axes in zip(invals, formats, contracting_axes(eqn))]
+    counts = [quantization_counts(x, q) for x, q in zip(inputs, quantized)]
     return {"fp8_saturated": sum((c.saturated for c in counts[1:]), counts[0].saturated),
             "fp8_flushed": sum((c.flushed_to_zero for c in counts[1:]),
                                counts[0].flushed_to_zero)}
@@ -673,17 +678,17 @@ class Walk:
         number = self.registry.number(
             eqn, RowInfo(ctx.scope, eqn.primitive.name, " x ".join(d.name for d in ran_in), fp8))
         inputs = _as_autocast_sees_them(ctx, invals)
-        probe = _probe(ctx, eqn, inputs, lows, product, fp8)
+        quantized = _quantized(self.recipe, eqn, ctx.scope, inputs) \
+            if fp8 and self.recipe is not None else None
+        probe = _probe(ctx, eqn, inputs, lows, product, quantized)
         # A float8 product's result is rescaled float32 that continues in the compute
         # dtype: its subnormals are the compute dtype's.
         info = jnp.finfo(ctx.compute if fp8 else ran_in[0])  # type: ignore[no-untyped-call]
         tiny = float(info.tiny)
         level.results.extend(Result(number, refs[i], None if probe is None else probe[i], tiny)
                              for i in floats)
-        if fp8:
-            recipe = self.recipe
-            assert recipe is not None
-            level.record(number, lambda: _fp8_stats(recipe, eqn, ctx.scope, inputs))
+        if quantized is not None:
+            level.record(number, lambda: _fp8_stats(inputs, quantized))
         if phase_of(ctx.scope) == "backward" and eqn.primitive.name not in VALUE_PRESERVING:
             level.gradients.extend(refs[i] for i in floats)
 
@@ -715,21 +720,19 @@ def _as_autocast_sees_them(ctx: Context, invals: Sequence[Pair]) -> list[Any]:
 
 
 def _probe(ctx: Context, eqn: JaxprEqn, inputs: list[Any], lows: list[Any], product: bool,
-           fp8: bool) -> Optional[list[Any]]:
+           quantized: Optional[list[Quantized]]) -> Optional[list[Any]]:
     """``eqn`` evaluated as autocast runs it on ``inputs``, or ``None`` where that is
     the float32 evaluation's result itself (float32 or wider results of float32
     inputs, values only moved or selected).
 
     Comparing this with the float32 result shows what the equation itself loses: an
     overflow or an underflow before it, which the float32 inputs do not have, does
-    not hide (or repeat) one here.
+    not hide (or repeat) one here. A float8 product is computed as autocast's float8
+    rule computes it, from the operands ``quantized`` once for it and its counts.
     """
-    if not product:
-        if eqn.primitive.name in VALUE_PRESERVING:
-            return None
-        if all(represents(dtype_of(o), F32) for o in lows if is_floating(o)):
-            return None
-    if product and not fp8:
+    if quantized is not None:
+        return [float8_dot(quantized[0], quantized[1], Params(eqn)["dimension_numbers"])]
+    if product:
         # A product of half-precision operands accumulated in float32 is the float32
         # product of the operands rounded to half precision: each product of two halves
         # is exact in float32. Computed so, as XLA's CPU backend lacks some half-
@@ -738,6 +741,10 @@ def _probe(ctx: Context, eqn: JaxprEqn, inputs: list[Any], lows: list[Any], prod
         rounded = [convert(convert(x, ctx.compute), wide.compute) if is_floating(x) else x
                    for x in inputs]
         return eval_equation(wide, eqn, rounded)
+    if eqn.primitive.name in VALUE_PRESERVING:
+        return None
+    if all(represents(dtype_of(o), F32) for o in lows if is_floating(o)):
+        return None
     return eval_equation(ctx, eqn, inputs)
 
 
