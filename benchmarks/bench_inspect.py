@@ -22,11 +22,14 @@ Commands (from the repository root; JSON to ``benchmarks/results/bench_inspect.j
 
     python benchmarks/bench_inspect.py            # ~3-5 min on 2 CPU cores
     python benchmarks/bench_inspect.py --quick    # a smoke run on a tiny LM
+    python benchmarks/bench_inspect.py --config d_model=512 heads=8 layers=4 seq_len=256
+                                                  # a GPU-sized LM (on a GPU)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import statistics
@@ -57,10 +60,15 @@ def load_lm() -> Any:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     harness.add_common_arguments(parser, rounds=7, iters=3, compile_rounds=1)
+    parser.add_argument("--config", nargs="*", default=[], metavar="FIELD=INT",
+                        help="override fields of the example's Config, e.g. d_model=512 "
+                             "layers=4 (a GPU-sized LM)")
     args = parser.parse_args(argv)
     lm = load_lm()
     config = lm.Config(d_model=16, heads=2, layers=1, seq_len=16, batch_size=4) if args.quick \
         else lm.Config()
+    overrides = {k: int(v) for k, v in (item.split("=", 1) for item in args.config)}
+    config = dataclasses.replace(config, **overrides)
     rounds = 2 if args.quick else args.rounds
 
     model = lm.TransformerLM(config)
