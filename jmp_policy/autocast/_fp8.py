@@ -40,6 +40,7 @@ from jax import lax
 from jax.extend.core import JaxprEqn
 
 from jmp_policy._dtypes import is_floating_dtype
+from jmp_policy.autocast._bits import INF_BITS, below, magnitude_bits, positive
 from jmp_policy.autocast._rules import scope_names
 
 Scaling = Literal["tensorwise", "rowwise"]
@@ -356,9 +357,14 @@ def quantization_counts(x: Any, quantized: tuple[jax.Array, jax.Array]) -> Quant
     [1, 1]
     """
     q, scale = quantized
-    wide = lax.convert_element_type(q, _F32)
-    saturated = jnp.logical_not(jnp.isfinite(wide))
-    flushed = jnp.logical_and(jnp.logical_and(lax.ne(x, jnp.zeros_like(x)), jnp.isfinite(scale)),
-                              lax.eq(wide, np.float32(0)))
-    return QuantizationCounts(jnp.sum(saturated, dtype=np.int32),
-                              jnp.sum(flushed, dtype=np.int32))
+    q_bits, x_bits = magnitude_bits(q), magnitude_bits(x)
+    scale_bits = lax.broadcast_in_dim(magnitude_bits(scale), jnp.shape(x),
+                                      tuple(range(jnp.ndim(x))))
+    saturated = 1 - below(q_bits, INF_BITS)
+    flushed = positive(x_bits) & below(q_bits, 1) & below(scale_bits, INF_BITS)
+    # One reduction of both over every axis (see `_bits` for why integer arithmetic).
+    zero = np.int32(0)
+    totals = lax.reduce((saturated, flushed), (zero, zero),
+                        lambda a, b: (lax.add(a[0], b[0]), lax.add(a[1], b[1])),
+                        tuple(range(jnp.ndim(x))))
+    return QuantizationCounts(*totals)

@@ -57,6 +57,8 @@ from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal as JaxprLiteral, Primitive, Var
 
 from jmp_policy._dtypes import is_floating_dtype
+from jmp_policy.autocast._bits import (
+    I32, INF_BITS, as_float, below, finite_mask, magnitude_bits, positive, where_bits)
 from jmp_policy.autocast._fp8 import (
     Float8Recipe, contracting_axes, eligible, operand_dtypes, quantization_counts, quantize)
 from jmp_policy.autocast._fp8_matmul import Quantized, float8_dot
@@ -270,7 +272,7 @@ class Level:
     the float32 values of the backward pass (binned together then too).
 
     Attributes:
-      one: a float32 one known only at run time (see `_magnitude_bits`).
+      one: a float32 one known only at run time (see `_bits.magnitude_bits`).
       origin: the source location given to every operation that computes
         statistics, so that XLA sees copies of one kernel as one.
     """
@@ -361,67 +363,30 @@ def unpack(arrays: Sequence[Any], packing: Packing) -> dict[int, dict[str, Any]]
 # --- Statistics of one result --------------------------------------------------------------
 
 # The statistics are computed on the bits of float32 values, with integer arithmetic
-# only: XLA compiles comparisons, selects and int<->float conversions inside reductions
-# to scalar loops on CPUs, several times slower than the integer and bit operations below,
-# which it vectorizes. For a float32 magnitude (sign bit cleared), the bits order like
-# the values; inf is _INF_BITS and NaN is above it.
-
-_I32 = np.int32
-_INF_BITS = _I32(0x7F800000)
-
-
-def _magnitude_bits(x: Any, one: Any) -> jax.Array:
-    """The bits of ``|x|`` as a float32.
-
-    ``x`` is first multiplied by ``one``, a one that XLA cannot see: statistics of a
-    constant (a broadcast zero, a mask) would otherwise be evaluated at compile time,
-    which takes seconds for large ones. (Exact: x * 1 is x, infs and NaNs included.)
-    """
-    x32 = lax.mul(lax.convert_element_type(x, np.float32), one)
-    return lax.bitcast_convert_type(x32, _I32) & _I32(0x7FFFFFFF)
-
-
-def _finite(bits: jax.Array) -> jax.Array:
-    """-1 (all bits set) where the magnitude ``bits`` are finite, 0 for inf and NaN."""
-    return lax.shift_right_arithmetic(bits - _INF_BITS, _I32(31))
-
-
-def _below(bits: jax.Array, limit: Any) -> jax.Array:
-    """1 where ``bits < limit`` (both non-negative), else 0."""
-    return lax.shift_right_logical(bits - _I32(limit), _I32(31))
-
-
-def _positive(bits: jax.Array) -> jax.Array:
-    """1 where ``bits > 0`` (non-negative), else 0."""
-    return lax.shift_right_logical(-bits, _I32(31))
-
-
-def _as_float(bits: jax.Array) -> jax.Array:
-    return lax.bitcast_convert_type(bits, np.float32)
-
-
-def _where_bits(mask: jax.Array, x: jax.Array) -> jax.Array:
-    """``x`` where ``mask`` is -1, +0.0 where it is 0 (a select without a select)."""
-    return _as_float(lax.bitcast_convert_type(x, _I32) & mask)
+# only (see `_bits`).
 
 
 def _reduced(fields: Sequence[dict[str, jax.Array]]) -> list[Stats]:
-    """Each array of each of ``fields`` (flat, all of one size) reduced as `_REDUCTION` says.
+    """Each array of each of ``fields`` (all of one shape) reduced as `_REDUCTION` says.
 
-    One variadic reduction: XLA emits a single loop over the elements for all
-    of them, one kernel to compile where a reduction per statistic, or per
-    result, would be a kernel each.
+    One variadic reduction over every axis: XLA emits a single loop nest over
+    the elements for all of them, one kernel to compile where a reduction per
+    statistic, or per result, would be a kernel each. The arrays keep their
+    shape: XLA fuses the operations that produced the values into the loop,
+    and a broadcast or transpose fused into a loop over a flattened array
+    would recover every element's position by division, a loop over the
+    shape indexes it directly.
     """
     names = [(k, n) for k, f in enumerate(fields) for n in f]
     hows = ["sum" if _REDUCTION[n] == "scaled" else _REDUCTION[n] for _, n in names]
     operands = [fields[k][n] for k, n in names]
-    inits = [np.array(_INF_BITS if h == "min" else 0, x.dtype) for h, x in zip(hows, operands)]
+    inits = [np.array(INF_BITS if h == "min" else 0, x.dtype) for h, x in zip(hows, operands)]
     ops = {"sum": lax.add, "max": lax.max, "min": lax.min}
 
     def computation(a: Sequence[jax.Array], b: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
         return tuple(ops[h](x, y) for h, x, y in zip(hows, a, b))
 
-    outs = lax.reduce(operands, inits, computation, (0,))
+    outs = lax.reduce(operands, inits, computation, tuple(range(operands[0].ndim)))
     reduced: list[Stats] = [{} for _ in fields]
     for (k, n), x in zip(names, outs):
         reduced[k][n] = x
@@ -439,10 +404,10 @@ _GROUP = 4
 
 
 def grouped_stats(results: Sequence[Result], one: Any) -> Sink:
-    """The statistics of ``results``, those of the same size reduced together."""
-    groups: dict[tuple[int, bool], list[Result]] = {}
+    """The statistics of ``results``, those of the same shape reduced together."""
+    groups: dict[tuple[tuple[int, ...], bool], list[Result]] = {}
     for r in results:
-        groups.setdefault((int(np.size(r.ref)), r.low is None), []).append(r)
+        groups.setdefault((np.shape(r.ref), r.low is None), []).append(r)
     sink: Sink = {}
     for group in groups.values():
         for start in range(0, len(group), _GROUP):
@@ -453,30 +418,27 @@ def grouped_stats(results: Sequence[Result], one: Any) -> Sink:
 
 
 def _group_stats(group: Sequence[Result], one: Any) -> list[Stats]:
-    # Flat, behind a barrier that keeps XLA from fusing the operations that produced
-    # the values into the statistics' kernel (one kernel each, otherwise).
-    flat: list[tuple[Any, Any]] = lax.optimization_barrier(  # type: ignore[no-untyped-call]
-        [(jnp.ravel(r.ref), None if r.low is None else jnp.ravel(r.low)) for r in group])
-    bits = [_value_bits(ref, low, one) for ref, low in flat]
+    values = [(r.ref, r.low) for r in group]
+    bits = [_value_bits(ref, low, one) for ref, low in values]
     stats = _reduced([_result_fields(b, r.tiny) for b, r in zip(bits, group)])
     if group[0].low is not None:
-        squares = _reduced([_square_fields(values, b, s["err_scale"], one)
-                            for values, b, s in zip(flat, bits, stats)])
+        squares = _reduced([_square_fields(pair, b, s["err_scale"], one)
+                            for pair, b, s in zip(values, bits, stats)])
         stats = [{**s, **q} for s, q in zip(stats, squares)]
     else:
-        zero_i, zero_f = jnp.zeros((), _I32), jnp.zeros((), np.float32)
+        zero_i, zero_f = jnp.zeros((), I32), jnp.zeros((), np.float32)
         stats = [{**s, "overflow": zero_i, "nonzero": zero_i, "underflow": zero_i,
                   "err_scale": zero_i, "err_sq": zero_f, "ref_sq": zero_f} for s in stats]
-    size = jnp.asarray(np.size(group[0].ref), _I32)
+    size = jnp.asarray(np.size(group[0].ref), I32)
     return [{**s, "size": size} for s in stats]
 
 
 def _value_bits(ref: Any, low: Optional[Any], one: Any) -> dict[str, jax.Array]:
     """The magnitude bits of a result's values, and which are finite (-1) or not (0)."""
-    bits = {"ref": _magnitude_bits(ref, one)}
+    bits = {"ref": magnitude_bits(ref, one)}
     if low is not None:
-        bits["low"] = _magnitude_bits(low, one)
-    finite = {f"{k}_finite": _finite(b) for k, b in bits.items()}
+        bits["low"] = magnitude_bits(low, one)
+    finite = {f"{k}_finite": finite_mask(b) for k, b in bits.items()}
     return {**bits, **finite}
 
 
@@ -486,16 +448,16 @@ def _result_fields(b: dict[str, jax.Array], tiny: float) -> dict[str, jax.Array]
     v = b["low"] & b["low_finite"] if "low" in b else w
     fields = {
         "max_abs": v,
-        "subnormal": _positive(v) & _below(v, np.float32(tiny).view(_I32)),
+        "subnormal": positive(v) & below(v, np.float32(tiny).view(I32)),
         "f32_max": w,
-        "f32_min": w | (lax.shift_right_arithmetic(w - _I32(1), _I32(31)) & _INF_BITS),
+        "f32_min": w | (lax.shift_right_arithmetic(w - I32(1), I32(31)) & INF_BITS),
     }
     if "low" not in b:
         return fields
     return {**fields,
             "overflow": (b["low_finite"] + 1) & b["ref_finite"],  # low inf/NaN, float32 finite
-            "nonzero": _positive(w),
-            "underflow": _positive(w) & _below(b["low"], 1),  # float32 nonzero, low zero
+            "nonzero": positive(w),
+            "underflow": positive(w) & below(b["low"], 1),  # float32 nonzero, low zero
             "err_scale": lax.max(v, w) & b["low_finite"] & b["ref_finite"]}
 
 
@@ -504,12 +466,12 @@ def _square_fields(values: tuple[Any, Any], b: dict[str, jax.Array], scale_bits:
     """The squared error and float32 values, relative to the largest magnitude so that
     values beyond 1e19 do not overflow the sums (a second pass, for the few equations
     that compare)."""
-    scale = _as_float(scale_bits)
+    scale = as_float(scale_bits)
     inv = jnp.where(scale > 0, 1 / jnp.where(scale > 0, scale, 1), np.float32(0))
     r, x = (lax.mul(lax.convert_element_type(y, np.float32), one) for y in values)
     both = b["low_finite"] & b["ref_finite"]
-    d = _where_bits(both, lax.mul(lax.sub(x, r), inv))
-    rr = _where_bits(both, lax.mul(r, inv))
+    d = where_bits(both, lax.mul(lax.sub(x, r), inv))
+    rr = where_bits(both, lax.mul(r, inv))
     return {"err_sq": lax.mul(d, d), "ref_sq": lax.mul(rr, rr)}
 
 
@@ -519,7 +481,7 @@ def result_stats(ref: Any, low: Optional[Any], tiny: float, one: Any) -> Stats:
     that is ``ref``).
 
     ``tiny`` is the smallest normal magnitude of the dtype the equation ran in; ``one``
-    is a float32 one known only at run time (see `_magnitude_bits`). Magnitudes
+    is a float32 one known only at run time (see `_bits.magnitude_bits`). Magnitudes
     (``max_abs``, ``f32_min``...) are float32 bit patterns (see `BIT_PATTERNS`).
     """
     return grouped_stats([Result(0, ref, low, tiny)], one)[0]
@@ -549,13 +511,13 @@ def histogram(values: Sequence[Any], one: Any) -> jax.Array:
         flat = jnp.ravel(x)
         stride = _sample_stride(flat.size)
         samples.append(lax.convert_element_type(flat[::stride], np.float32))
-        weights.append(jnp.full(samples[-1].shape, stride, _I32))
-    bits = _magnitude_bits(jnp.concatenate(samples), one)
-    v = bits & _finite(bits)
+        weights.append(jnp.full(samples[-1].shape, stride, I32))
+    bits = magnitude_bits(jnp.concatenate(samples), one)
+    v = bits & finite_mask(bits)
     # Zeros and non-finite values go to bin 255 (that of inf and NaN), dropped below.
-    bins = lax.shift_right_logical(v, _I32(23)) \
-        | (lax.shift_right_arithmetic(v - _I32(1), _I32(31)) & _I32(255))
-    counts = jnp.zeros(HISTOGRAM_BINS, _I32).at[bins].add(jnp.concatenate(weights))
+    bins = lax.shift_right_logical(v, I32(23)) \
+        | (lax.shift_right_arithmetic(v - I32(1), I32(31)) & I32(255))
+    counts = jnp.zeros(HISTOGRAM_BINS, I32).at[bins].add(jnp.concatenate(weights))
     return counts.at[255].set(0)
 
 
