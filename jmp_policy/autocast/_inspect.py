@@ -19,7 +19,7 @@ the float32 side gives each result's range and, in the backward pass, the
 gradient magnitudes that a loss scale must bring into range.
 
 Statistics stay traced values: one variadic reduction for the results of the
-same size of a body computes them all, and they leave the program as its
+same shape of a body computes them all, and they leave the program as its
 outputs (`pack`), so nothing goes to the host per equation. Higher-order
 primitives keep their rows: calls, ``checkpoint`` and custom derivatives are
 evaluated in place; the rows of a ``scan``, ``while_loop`` or ``cond`` body are
