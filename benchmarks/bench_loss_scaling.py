@@ -373,7 +373,18 @@ def _keras_recipes(keras, loss_fn) -> List[Recipe]:
 # --------------------------------------------------------------------------- #
 
 def _bits(tree: Any) -> List[bytes]:
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+    """Each leaf's bytes, every NaN written as one NaN.
+
+    A skipped step adds -0.0 to each parameter, which keeps every number bit for
+    bit; a NaN parameter (the poisoned one) stays NaN but GPUs return their own
+    canonical NaN from arithmetic, whatever payload went in.
+    """
+    def canonical(x: Any) -> np.ndarray:
+        x = np.asarray(x)
+        if np.issubdtype(x.dtype, np.inexact) or x.dtype.kind == "V" or "float" in x.dtype.name:
+            x = np.where(np.isnan(x), np.array(np.nan, x.dtype), x)
+        return x
+    return [canonical(x).tobytes() for x in jax.tree.leaves(tree)]
 
 
 def _poison(tree: Any) -> Any:

@@ -68,10 +68,11 @@ def register(*primitives: Primitive) -> Callable[[Handler], Handler]:
     Autocast rewrites a higher-order primitive rather than classifying it: its
     handler evaluates the jaxprs in its parameters with `eval_jaxpr` (or
     `autocast_jaxpr`) and binds the primitive again, so that the primitive
-    keeps its own semantics.
+    keeps its own semantics. A primitive named twice (some JAX versions alias
+    ``call_p`` to ``closed_call_p``) is registered once.
     """
     def decorator(handler: Handler) -> Handler:
-        for primitive in primitives:
+        for primitive in dict.fromkeys(primitives):
             if primitive in _HANDLERS:
                 raise ValueError(f"autocast already has a handler for {primitive.name!r}.")
             _HANDLERS[primitive] = handler

@@ -67,6 +67,7 @@ FOLLOW_PRIMITIVES = frozenset({
     # Elementwise.
     "abs", "add", "add_any", "sub", "mul", "neg", "max", "min", "sign", "floor", "ceil",
     "round", "nextafter", "rem", "clamp", "select_n", "tanh", "sin", "cos", "atan", "atan2",
+    "one_minus_square",  # 1 - x**2, tanh's derivative (JAX 0.11+)
     "is_finite", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
     "shift_left", "shift_right_arithmetic", "shift_right_logical", "population_count", "clz",
     "real", "imag", "conj", "complex", "reduce_precision", "stop_gradient", "copy", "copy_p",
