@@ -99,3 +99,36 @@ def floating_dtype(x: Any, what: str) -> np.dtype[Any]:
             f"got {dtype.name!r}: only floating values are cast by a policy."
         )
     return dtype
+
+
+def round_to(x: jax.Array, dtype: Any) -> jax.Array:
+    """``x`` rounded to nearest in ``dtype`` and kept in ``x``'s wider dtype.
+
+    The value of ``x.astype(dtype).astype(x.dtype)``, infinities and overflow to
+    them included, for every ``x`` in the range of a ``dtype`` with infinities
+    (bfloat16, float16, float8_e5m2) and every ``x`` within the largest finite
+    value of one without (float8_e4m3fn). Written as two conversions, XLA may
+    drop the rounding: its GPU backend removes such convert pairs under ``jit``
+    (excess precision is allowed by default), which silently breaks any
+    algorithm that measures a rounding error. `jax.lax.reduce_precision` is the
+    operation XLA keeps; it flushes the narrow type's subnormals to zero, so
+    those are rounded here on their own grid, a multiple of the smallest
+    subnormal (exact in ``x``'s dtype).
+
+    >>> x = jnp.float32(1 + 2**-9)
+    >>> float(round_to(x, jnp.bfloat16)), float(x.astype(jnp.bfloat16))
+    (1.0, 1.0)
+    >>> float(round_to(jnp.float32(3e-6), jnp.float16)) == float(jnp.float16(3e-6))
+    True
+    """
+    info = jnp.finfo(dtype)
+    # A type without infinities spends its top exponent on numbers: one more
+    # exponent bit keeps those finite.
+    has_inf = bool(np.isinf(np.asarray(np.inf).astype(dtype)))
+    normal = jax.lax.reduce_precision(x, exponent_bits=info.nexp + (not has_inf),
+                                      mantissa_bits=info.nmant)
+    if jnp.finfo(x.dtype).smallest_normal >= info.smallest_normal:
+        return normal  # the narrow type's subnormals are the wide type's (bfloat16 in float32)
+    quantum = jnp.asarray(info.smallest_subnormal, x.dtype)
+    subnormal = jax.lax.round(x / quantum, jax.lax.RoundingMethod.TO_NEAREST_EVEN) * quantum
+    return jnp.where(jnp.abs(x) < jnp.asarray(info.smallest_normal, x.dtype), subnormal, normal)

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_policy._dtypes import round_to
 from jmp_policy.transform import _loss_scaling_states
 
 Seed = Union[int, jax.Array]
@@ -306,7 +307,7 @@ def _kahan_step(p: jax.Array, update: jax.Array, c: jax.Array) -> Tuple[jax.Arra
     # The small terms first, so that an update far below the weight's
     # precision still adds to the compensation.
     total = p.astype(jnp.float32) + (c.astype(jnp.float32) + update)
-    to_new = _update_to(p, total.astype(p.dtype))
+    to_new = _update_to(p, _rounded(total, p.dtype))
     new = _applied(p, to_new)
     # ``total - new`` is exact in float32 (the two are within a rounding of
     # each other); it is measured against the weight apply_updates gives, so
@@ -375,7 +376,12 @@ def _update_to(p: jax.Array, new: jax.Array) -> jax.Array:
 
 def _applied(p: jax.Array, update: jax.Array) -> jax.Array:
     """What ``optax.apply_updates`` makes of ``p`` and a float32 ``update``."""
-    return (p.astype(jnp.float32) + update).astype(p.dtype)
+    return _rounded(p.astype(jnp.float32) + update, p.dtype)
+
+
+def _rounded(x: jax.Array, dtype: Any) -> jax.Array:
+    """``x.astype(dtype)``, with a rounding XLA keeps when the result is widened again."""
+    return round_to(x, dtype).astype(dtype)
 
 
 def _bits(x: jax.Array) -> jax.Array:
@@ -399,7 +405,7 @@ def _stochastic_round(x: jax.Array, dtype: Any, seed: jax.Array) -> jax.Array:
         rounded = jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
         # A NaN's payload could carry into its sign bit.
         return jnp.where(jnp.isnan(x), x.astype(dtype), rounded)
-    nearest = x.astype(dtype)
+    nearest = _rounded(x, dtype)
     wide = nearest.astype(jnp.float32)
     other = jnp.nextafter(nearest, jnp.where(x > wide, jnp.inf, -jnp.inf).astype(dtype))
     fraction = (x - wide) / (other.astype(jnp.float32) - wide)

@@ -258,10 +258,16 @@ def test_jit_grad_vmap_agree_with_eager():
     f = autocast(mlp, "float32", fp8="rowwise")
     out = f(p, x)
     assert rel_error(out, jax.jit(mlp)(p, x)) < 0.1
-    # vmap: each example's scales are its own, exactly as called one by one.
+    # vmap: each example's scales are its own, as called one by one: the same numbers
+    # on XLA:CPU. On an H100 (2026-11-25) the two programs differed in a few values by
+    # a float8 step: XLA:GPU fuses their scaling differently, and a value on the edge
+    # between two float8 neighbours may round the other way.
     batched = jax.jit(jax.vmap(f, in_axes=(None, 0)))(p, x[:, None])
-    np.testing.assert_allclose(batched[:, 0], jnp.stack([f(p, xi[None])[0] for xi in x]),
-                               rtol=1e-6, atol=1e-6)
+    one_by_one = jnp.stack([f(p, xi[None])[0] for xi in x])
+    if jax.default_backend() == "cpu":
+        np.testing.assert_allclose(batched[:, 0], one_by_one, rtol=1e-6, atol=1e-6)
+    else:
+        assert rel_error(batched[:, 0], one_by_one) < 1e-2
     g = jax.jit(jax.grad(loss(f)))(p, x)
     want = jax.jit(jax.grad(loss(mlp)))(p, x)
     assert all(rel_error(g[k], want[k]) < 0.15 for k in p)
