@@ -52,7 +52,6 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from jmp_policy._dtypes import is_floating_dtype
 from jmp_policy._rules import UnmatchedRuleWarning
-from jmp_policy.autocast._api import _call_dtypes, _is_dynamic, _signature
 from jmp_policy.autocast._fp8 import Float8Like, Float8Recipe, as_recipe
 from jmp_policy.autocast._fp8_matmul import float8_matmul
 from jmp_policy.autocast._inspect import (
@@ -325,6 +324,28 @@ def inspect_numerics(
         return _report(registry, stats, meta)
 
     return inspect
+
+
+def _is_dynamic(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def _signature(treedef: Any, leaves: list[Any], values: list[Any]) -> Optional[tuple[Any, ...]]:
+    """What a trace of ``fn`` depends on, or ``None`` when a static leaf is unhashable."""
+    static = tuple(None if _is_dynamic(leaf) else leaf for leaf in leaves)
+    key = (treedef, static, tuple(jax.typeof(x) for x in values))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _call_dtypes(policy: Policy, values: Sequence[Any]) -> tuple[Any, Any]:
+    compute, output = policy.compute_dtype, policy.output_dtype
+    if compute is None:  # deprecated infer policies: compute follows the first floating input
+        compute = next((np.dtype(x.dtype) for x in values if is_floating(x)), F32)
+    return np.dtype(compute), np.dtype(compute if output is None else output)
 
 
 def _function_name(fn: Callable[..., Any]) -> str:

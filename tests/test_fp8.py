@@ -17,7 +17,7 @@ from jax import lax
 
 import jmp_policy
 from jaxpr_walk import eqns
-from jmp_policy import Float8Recipe, autocast
+from jmp_policy import AutocastWarning, Float8Recipe, autocast
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
@@ -153,7 +153,8 @@ def test_excluded_scopes_small_and_integer_products_stay_out_of_float8():
     ints = autocast(lambda a, b: lax.dot(a, b, preferred_element_type=jnp.int32), "mixed_bfloat16",
                     fp8="tensorwise")
     a = jnp.ones((32, 32), jnp.int8)
-    assert dots(ints, a, a) == [(np.dtype(np.int8), np.dtype(np.int8), np.dtype(np.int32))]
+    with pytest.warns(AutocastWarning, match="none of its matrix products is eligible"):
+        assert dots(ints, a, a) == [(np.dtype(np.int8), np.dtype(np.int8), np.dtype(np.int32))]
 
 
 def test_float32_scopes_win_over_fp8():

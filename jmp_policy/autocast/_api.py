@@ -1,23 +1,40 @@
-"""`autocast`: trace ``fn`` once per call signature, then evaluate it under autocast."""
+"""`autocast`: on every call, trace ``fn`` and evaluate its jaxpr under autocast.
+
+A call goes through four steps, each a function below:
+
+1. `_Call.of` splits the arguments (and ``fn`` itself, when it is a module or a
+   module's method) into array leaves, which are traced, and everything else,
+   which reaches ``fn`` as it is; Flax NNX objects are split into graph and
+   state (``_modules``).
+2. `_Call.trace` runs ``fn``'s Python to a jaxpr of the array leaves, with
+   module paths as scopes; nothing is cached, so closures and module
+   attributes are read at call time, and under an outer ``jit`` this happens
+   once per trace of that ``jit``, as for any JAX transformation.
+3. `_evaluate` evaluates the jaxpr under autocast (``_interpreter``).
+4. `_Call.finish` casts the outputs (``_outputs``), writes NNX state back and
+   rebuilds ``fn``'s output tree.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
-from jax.core import Tracer
-from jax.extend.core import ClosedJaxpr
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from jmp_policy.autocast._interpreter import Context, eval_jaxpr, higher_order_names
-from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, is_floating
-from jmp_policy.autocast._fp8 import Float8Like, Float8Recipe, as_recipe
-from jmp_policy.autocast._fp8_matmul import float8_matmul
-from jmp_policy.autocast._matmul import matmul
 from jmp_policy._rules import UnmatchedRuleWarning
-from jmp_policy.autocast._rules import Rules, parse_rules
+from jmp_policy.autocast import _modules
+from jmp_policy.autocast._fp8 import Float8Like, Float8Recipe, as_recipe
+from jmp_policy.autocast._fp8_matmul import FLOAT8_PRODUCTS, float8_matmul
+from jmp_policy.autocast._interpreter import Context, eval_jaxpr, higher_order_names
+from jmp_policy.autocast._lattice import F32, DType, convert, represents
+from jmp_policy.autocast._matmul import matmul
+from jmp_policy.autocast._outputs import PRODUCT, output_kinds
+from jmp_policy.autocast._rules import AutocastWarning, Rules, parse_rules
 from jmp_policy.policy import Policy, PolicyLike, as_policy
 
 
@@ -28,137 +45,238 @@ def autocast(
     rules: Optional[Mapping[str, Any]] = None,
     fp8: Float8Like = None,
 ) -> Callable[..., Any]:
-    """Returns ``fn`` evaluated with per-operation mixed precision.
+    """Returns ``fn`` evaluated with per-operation mixed precision, as a JAX transformation.
 
     Matrix work runs in the policy's compute dtype with float32 accumulation,
     numerically sensitive primitives in float32, everything else at the widest
-    dtype of its inputs; floating outputs come back in the policy's output
-    dtype. See ``jmp_policy.autocast``'s module documentation for the rules.
+    dtype of its inputs (see ``jmp_policy.autocast``'s module documentation).
+    Like ``jax.grad`` and ``jax.vmap``, each call runs ``fn``'s Python afresh
+    (closures and module attributes are read at call time), only array leaves
+    of the arguments are traced (Python numbers, strings, ``None`` and
+    Equinox's integer fields reach ``fn`` as they are), and Flax NNX objects
+    passed in (or ``fn`` itself, if it is an NNX module) get the state ``fn``
+    writes, as with ``nnx.jit``. Under a ``float32`` policy without ``fp8``,
+    the result is ``fn``'s own, bit for bit.
+
+    Outputs are never narrowed below the precision they were computed in: an
+    output made by matrix work comes back in the policy's output dtype, one
+    made by float32-class primitives (a loss, normalization statistics) or by
+    a cast written in ``fn`` in the dtype it was computed in.
 
     Args:
-      fn: any function of pytrees of arrays (a ``flax.linen`` ``apply``, an NNX
-        module call, a loss function...). Non-array leaves (strings, ``None``,
-        static configuration) are treated as static, as ``jax.jit`` would with
-        ``static_argnums``.
+      fn: any function of pytrees (a loss function, a Flax linen ``apply``, an
+        NNX or Equinox module or a method of one).
       policy: a policy name or `Policy`; ``None`` means the global policy in
         force now (at construction, not at call time).
       rules: optional mapping changing the defaults:
         ``{"matmul": [...], "float32": [...], "follow": [...]}`` move
         primitives (by name, or ``jax.extend.core.Primitive`` object) into that
         class; ``{"float32_scopes": ["attention", "block/softmax"]}`` runs every
-        primitive under a matching ``jax.named_scope`` (a contiguous run of
-        scope names, at any depth) in float32, matrix work included. A scope
-        that no operation of ``fn`` is in is reported with an
-        ``UnmatchedRuleWarning``, once per trace.
+        primitive under a matching scope (a contiguous run of scope names, at
+        any depth) in float32, matrix work included. Scopes are
+        ``jax.named_scope`` names, Flax linen module paths and, for NNX and
+        Equinox modules, attribute paths from the root module
+        (``Decoder/blocks/0/attn``). A scope that no operation of ``fn`` is in
+        is reported with an ``UnmatchedRuleWarning``.
       fp8: ``None`` (no float8), ``"tensorwise"``, ``"rowwise"`` or a
         `jmp_policy.Float8Recipe`: every eligible ``dot_general`` of ``fn``,
         forward and backward, runs on float8 operands with current scaling
-        (one scale per tensor, or per row) and float32 accumulation, and
-        returns float32 like the matmul class. Products in a float32 scope,
-        in a scope the recipe excludes (by default an LM head: ``logits``,
-        ``lm_head``...) or smaller than its ``min_size`` stay in the compute
-        dtype. Inputs that are not finite give non-finite products.
+        (one scale per tensor, or per row) and float32 accumulation. Products
+        in a float32 scope, in a scope the recipe excludes (by default a
+        model's output layer, tied to its embedding or not) or smaller than
+        its ``min_size`` stay in the compute dtype; a function with no
+        eligible product warns.
 
     >>> import jax, jax.numpy as jnp, jmp_policy
     >>> def layer(w, x):
-    ...     return jax.nn.softmax(x @ w)
-    >>> f = jmp_policy.autocast(layer, "mixed_float16")
-    >>> f(jnp.ones((4, 4)), jnp.ones((2, 4))).dtype   # outputs in the policy's output dtype
-    dtype('float16')
-    >>> f8 = jmp_policy.autocast(layer, "mixed_bfloat16", fp8="rowwise")
-    >>> f8(jnp.ones((32, 32)), jnp.ones((16, 32))).dtype   # a float8 product inside
-    dtype(bfloat16)
+    ...     h = x @ w
+    ...     return h, jnp.mean(jax.nn.softmax(h))
+    >>> h, mean = jmp_policy.autocast(layer, "mixed_float16")(jnp.ones((4, 4)), jnp.ones((2, 4)))
+    >>> h.dtype, mean.dtype   # a product in the output dtype, a reduction in float32
+    (dtype('float16'), dtype('float32'))
     """
     if not callable(fn):
         raise TypeError(f"autocast expects a callable, got {fn!r}.")
     policy = as_policy(policy)
     parsed = parse_rules(rules, higher_order_names())
     recipe = as_recipe(fp8)
-    cache: dict[Any, tuple[Any, Callable[..., list[Any]], Callable[..., list[Any]]]] = {}
+    settings = _Settings(policy, parsed, recipe, _name(fn))
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
-        values = [leaves[i] for i in dynamic]
-        key = _signature(treedef, leaves, values)
-        entry = cache.get(key) if key is not None else None
-        if entry is None:
-            closed, out_tree = _trace(fn, leaves, treedef, dynamic, values)
-            run: Callable[..., list[Any]] = functools.partial(
-                _run, closed, policy, parsed, recipe, _name(fn))
-            if key is not None and not any(_is_tracer(c) for c in closed.consts):
-                entry = cache[key] = (out_tree, run, jax.jit(run))
-            else:
-                entry = (out_tree, run, run)  # a one-off trace: no point compiling it
-        out_tree, run, jitted = entry
-        # Called eagerly, the jaxpr runs as one compiled computation: the same values as
-        # op by op (fn's Python already ran when it was traced), without a compile per op.
-        outs = run(*values) if any(_is_tracer(x) for x in values) else jitted(*values)
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        call = _Call.of(fn, args, kwargs)
+        if settings.is_identity():
+            if parsed.float32_scopes:  # nothing to pin, but a scope that matches nothing is reported
+                _warn_unmatched(settings, parsed.unmatched(_scope_paths(call.trace().jaxpr)))
+            return fn(*args, **kwargs)
+        closed = call.trace()
+        return call.finish(_evaluate(closed, settings, call.values), closed, settings)
 
     return wrapped
 
 
-def _is_dynamic(leaf: Any) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """What ``autocast(fn, policy, rules=..., fp8=...)`` was given."""
 
+    policy: Policy
+    rules: Rules
+    recipe: Optional[Float8Recipe]
+    name: str
 
-def _is_tracer(x: Any) -> bool:
-    return isinstance(x, Tracer)
+    def dtypes(self, values: Sequence[Any]) -> tuple[DType, DType]:
+        """The compute and output dtypes of a call with array leaves ``values``."""
+        compute, output = self.policy.compute_dtype, self.policy.output_dtype
+        if compute is None:  # deprecated infer policies: compute follows the first floating input
+            compute = next((np.dtype(x.dtype) for x in values if _is_float(x)), F32)
+        return np.dtype(compute), np.dtype(compute if output is None else output)
 
-
-def _signature(treedef: Any, leaves: list[Any], values: list[Any]) -> Optional[tuple[Any, ...]]:
-    """What a trace of ``fn`` depends on, or ``None`` when a static leaf is unhashable."""
-    static = tuple(None if _is_dynamic(leaf) else leaf for leaf in leaves)
-    key = (treedef, static, tuple(jax.typeof(x) for x in values))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-def _trace(fn: Callable[..., Any], leaves: list[Any], treedef: Any, dynamic: list[int],
-           values: list[Any]) -> tuple[ClosedJaxpr, Any]:
-    """``fn`` as a closed jaxpr of its dynamic leaves, with the tree of its outputs."""
-    out_tree = []
-
-    def flat_fn(*values: Any) -> list[Any]:
-        full = list(leaves)
-        for i, v in zip(dynamic, values):
-            full[i] = v
-        args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
-        out_leaves, tree = jax.tree_util.tree_flatten(fn(*args, **kwargs))
-        out_tree.append(tree)
-        return out_leaves
-
-    closed: ClosedJaxpr = jax.make_jaxpr(flat_fn)(*values)
-    return closed, out_tree[0]
-
-
-def _run(closed: ClosedJaxpr, policy: Policy, rules: Rules, recipe: Optional[Float8Recipe],
-         name: str, *values: Any) -> list[Any]:
-    compute, output = _call_dtypes(policy, values)
-    ctx = Context(compute, rules, matmul if recipe is None else float8_matmul(recipe))
-    outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, values)
-    for scope, near in ctx.unmatched_scopes():
-        hint = f" Did you mean {' or '.join(map(repr, near))}?" if near else ""
-        warnings.warn(
-            f"autocast rules['float32_scopes'] entry {scope!r} matched no operation of "
-            f"{name} (none is inside a jax.named_scope path containing {scope!r}).{hint}",
-            UnmatchedRuleWarning, stacklevel=2)
-    return [convert(o, output) for o in outs]
+    def is_identity(self) -> bool:
+        """True when autocast changes nothing: float32 (or wider) compute and output, no float8."""
+        compute, output = self.policy.compute_dtype, self.policy.output_dtype
+        return (self.recipe is None and compute is not None
+                and represents(np.dtype(compute), F32)
+                and (output is None or represents(np.dtype(output), F32)))
 
 
 def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
-def _call_dtypes(policy: Policy, values: Sequence[Any]) -> tuple[DType, DType]:
-    compute, output = policy.compute_dtype, policy.output_dtype
-    if compute is None:  # deprecated infer policies: compute follows the first floating input
-        compute = next((dtype_of(x) for x in values if is_floating(x)), F32)
-    if output is None:
-        output = compute
-    return np.dtype(compute), np.dtype(output)
+def _is_float(x: Any) -> bool:
+    return jax.numpy.issubdtype(x.dtype, np.floating)
+
+
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+# --- One call ----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Call:
+    """One call of an autocast function: its leaves, which of them are traced, NNX state.
+
+    Attributes:
+      leaves: the leaves of ``(fn, args, kwargs)``, NNX objects as leaves.
+      treedef: their tree.
+      nnx: the NNX objects among the leaves, split (``None`` if there are none).
+      dynamic: positions of the traced values among ``leaves + nnx state leaves``.
+      values: the traced values, in that order.
+    """
+
+    leaves: list[Any]
+    treedef: Any
+    nnx: Optional[_modules.NnxState]
+    state_treedef: Any
+    dynamic: list[int]
+    values: list[Any]
+    out_tree: Any = None
+    static_outs: Optional[list[Any]] = None
+    n_state: int = 0
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> _Call:
+        leaves, treedef = jax.tree_util.tree_flatten(
+            (_modules.as_data(fn), tuple(args), kwargs), is_leaf=_modules.is_nnx)
+        nnx = _modules.NnxState.split(leaves)
+        state_leaves, state_treedef = jax.tree_util.tree_flatten(nnx.state if nnx else ())
+        everything = [*leaves, *state_leaves]
+        dynamic = [i for i, leaf in enumerate(everything)
+                   if _is_array(leaf) and not _modules.is_nnx(leaf)]
+        return cls(leaves, treedef, nnx, state_treedef, dynamic, [everything[i] for i in dynamic])
+
+    def trace(self) -> ClosedJaxpr:
+        """``fn`` as a jaxpr of the traced values; outputs, then the NNX state it leaves."""
+        return jax.make_jaxpr(self._flat)(*self.values)
+
+    def _flat(self, *values: Any) -> list[Any]:
+        everything = [*self.leaves, *jax.tree_util.tree_leaves(self.nnx.state if self.nnx else ())]
+        for i, v in zip(self.dynamic, values):
+            everything[i] = v
+        leaves, state_leaves = everything[:len(self.leaves)], everything[len(self.leaves):]
+        objects = ()
+        if self.nnx is not None:
+            state = jax.tree_util.tree_unflatten(self.state_treedef, state_leaves)
+            objects = self.nnx.merged(leaves, state)
+        callee, args, kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
+        with _modules.module_scopes([callee, args, kwargs]):
+            out = _modules.call(callee, args, kwargs)
+        out_leaves, self.out_tree = jax.tree_util.tree_flatten(out)
+        new_state = jax.tree_util.tree_leaves(_modules.nnx_state(objects)) if objects else []
+        self.n_state = len(new_state)
+        everything = [*out_leaves, *new_state]
+        self.static_outs = [None if _is_array(x) or _is_tracer(x) else x for x in everything]
+        return [x for x in everything if _is_array(x) or _is_tracer(x)]
+
+    def finish(self, outs: list[Any], closed: ClosedJaxpr, settings: _Settings) -> Any:
+        """``fn``'s output from the evaluated jaxpr's outputs; NNX state written back.
+
+        Outputs are cast as `_output` says. NNX state keeps the dtypes ``fn``
+        gave it, so that a train step sees the same types on every call.
+        """
+        assert self.static_outs is not None
+        _, output = settings.dtypes(self.values)
+        traced = iter(zip(outs, output_kinds(closed.jaxpr, settings.rules), closed.out_avals))
+        n_out = len(self.static_outs) - self.n_state
+        everything = []
+        for i, static in enumerate(self.static_outs):
+            if static is not None:
+                everything.append(static)
+                continue
+            value, kind, aval = next(traced)
+            everything.append(_output(value, kind, output) if i < n_out
+                              else convert(value, aval.dtype))
+        if self.nnx is not None:
+            state = jax.tree_util.tree_unflatten(self.state_treedef, everything[n_out:])
+            _modules.write_back([self.leaves[i] for i in self.nnx.positions], state)
+        return jax.tree_util.tree_unflatten(self.out_tree, everything[:n_out])
+
+
+def _is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _output(value: Any, kind: int, output: DType) -> Any:
+    """An output of ``fn``: matrix work in the output dtype, anything else as computed."""
+    return convert(value, output) if kind == PRODUCT else value
+
+
+# --- Evaluation -------------------------------------------------------------------------
+
+def _evaluate(closed: ClosedJaxpr, settings: _Settings, values: Sequence[Any]) -> list[Any]:
+    compute, _ = settings.dtypes(values)
+    rule = matmul if settings.recipe is None else float8_matmul(settings.recipe)
+    ctx = Context(compute, settings.rules, rule)
+    outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, values)
+    _warn_unmatched(settings, ctx.unmatched_scopes())
+    if settings.recipe is not None and not ctx.tallied(FLOAT8_PRODUCTS):
+        warnings.warn(
+            f"autocast(..., fp8=...) changes nothing in {settings.name}: none of its matrix "
+            "products is eligible for float8 (only dot_general products are: convolutions "
+            "stay in the compute dtype; products smaller than the recipe's min_size or in "
+            "a scope it excludes, such as a model's output layer, do too).",
+            AutocastWarning, stacklevel=3)
+    return outs
+
+
+def _warn_unmatched(settings: _Settings, unmatched: list[tuple[str, list[str]]]) -> None:
+    for scope, near in unmatched:
+        hint = f" Did you mean {' or '.join(map(repr, near))}?" if near else ""
+        warnings.warn(
+            f"autocast rules['float32_scopes'] entry {scope!r} matched no operation of "
+            f"{settings.name} (none is inside a jax.named_scope or module path containing "
+            f"{scope!r}).{hint}", UnmatchedRuleWarning, stacklevel=4)
+
+
+def _scope_paths(jaxpr: Jaxpr, prefix: str = "") -> set[str]:
+    """The name-scope paths of every equation of ``jaxpr``, nested jaxprs included."""
+    paths = set()
+    for eqn in jaxpr.eqns:
+        path = "/".join(p for p in (prefix, str(eqn.source_info.name_stack)) if p)
+        paths.add(path)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (Jaxpr, ClosedJaxpr)):
+                    paths |= _scope_paths(getattr(sub, "jaxpr", sub), path)
+    return paths

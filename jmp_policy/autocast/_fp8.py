@@ -69,9 +69,11 @@ class Float8Recipe:
         ``jax.named_scope`` path of each product, ``/``-joined and without
         JAX's transformation names (``"TransformerLM/logits"``, also in the
         backward pass); a product that matches stays in the compute dtype.
-        The default, `DEFAULT_EXCLUDE`, keeps the output layer of a language
-        model: a scope named ``logits...``, ``lm_head``, ``head`` or
-        ``...embed...`` (a head tied to its embedding, ``nn.Embed.attend``).
+        The default, `DEFAULT_EXCLUDE`, keeps the output layer of a model out
+        of float8: a scope named ``logits...``, ``lm_head...`` or ``head``, and
+        a head tied to its embedding: any ``.attend`` method (``nn.Embed``'s in
+        linen, ``nnx.Embed``'s, e.g. ``Decoder/embedder.attend``) and any scope
+        named ``...embed...``.
       batched: whether products with batch dimensions (attention's scores and
         weighted values, per-example weights under ``vmap``) run in float8
         too. ``False`` keeps them in the compute dtype and float8s only the
@@ -98,13 +100,16 @@ class Float8Recipe:
     (dtype(float8_e4m3fn), dtype(float8_e5m2))
     >>> recipe.excludes("transpose(jvp(TransformerLM))/logits")
     True
+    >>> recipe.excludes("Gemma/embedder.attend"), recipe.excludes("Gemma/blocks/0/attn")
+    (True, False)
     >>> Float8Recipe("rowwise", exclude=(*recipe.exclude, "router")).excludes("moe/router")
     True
     """
 
     # Anchored on whole scope names: an ``attention_head`` or ``heads`` scope is not matched.
     DEFAULT_EXCLUDE: ClassVar[tuple[str, ...]] = (
-        r"(?i)(^|/)(logits?\w*|lm_head\w*|head|\w*embed\w*)(/|$)",)
+        r"(?i)(^|/)(logits?\w*|lm_head\w*|head|\w*embed\w*)(\.\w+)?(/|$)",
+        r"(^|/)\w+\.attend(/|$)")
 
     scaling: Scaling = "tensorwise"
     fwd_dtype: Any = np.dtype(jnp.float8_e4m3fn)
@@ -284,19 +289,29 @@ def inverse_scale(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[i
 
     Its shape is ``x``'s with the reduced axes (all of them for
     ``"tensorwise"``, the contracting ones for ``"rowwise"``) kept as size 1.
-    An all-zero row gets a large finite factor (its values stay zero); a row
-    holding inf gets 0 and one holding NaN gets NaN, so that its quantized
-    values, and every product they enter, are NaN rather than finite.
+    The factor is at most `MAX_FACTOR`: an all-zero row (padding, a dropped
+    example) or one far below the format's range gets that (its values stay
+    zero or tiny, and finite). A row holding inf gets 0 and one holding NaN
+    gets NaN, so that its quantized values, and every product they enter, are
+    NaN rather than finite.
     """
     axes = _reduced_axes(jnp.ndim(x), scaling, contracting_axes)
     amax = lax.convert_element_type(lax.reduce_max(lax.abs(x), axes), _F32) if axes \
         else lax.abs(lax.convert_element_type(x, _F32))
     top = np.float32(jnp.finfo(dtype).max)  # type: ignore[no-untyped-call]
-    # max/0 is inf and max/tiny can overflow: cap at the largest float32 (NaN stays NaN).
-    factor = lax.min(lax.div(top, amax), np.float32(np.finfo(np.float32).max))
+    # The maximum is bounded below rather than the factor above: max/0 is never formed,
+    # and a factor far below float32's largest value stays finite when XLA folds it
+    # with the constants around it ((g / keep_prob) * factor becomes g * (factor /
+    # keep_prob) under jit). lax.max keeps NaN; inf gives a factor of 0.
+    factor = lax.div(top, lax.max(amax, np.float32(top / MAX_FACTOR)))
     if power_of_two:
         factor = _floor_power_of_two(factor)
     return lax.expand_dims(factor, axes)
+
+
+MAX_FACTOR = 2.0 ** 64
+"""The largest inverse scale: operands whose absolute maximum is below ``max / 2**64``
+(all-zero ones included) are scaled by it, and stay finite."""
 
 
 def _floor_power_of_two(x: jax.Array) -> jax.Array:

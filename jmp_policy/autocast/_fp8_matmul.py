@@ -37,6 +37,10 @@ Quantized = tuple[jax.Array, jax.Array]
 """A float8 operand and its float32 scale, as `quantize` returns them."""
 
 
+FLOAT8_PRODUCTS = "float8 products"
+"""What `float8_matmul` tallies in the `Context`: one per product it runs in float8."""
+
+
 def float8_matmul(recipe: Float8Recipe) -> MatmulRule:
     """The ``Context.matmul`` rule running the products ``recipe`` selects in float8.
 
@@ -46,6 +50,7 @@ def float8_matmul(recipe: Float8Recipe) -> MatmulRule:
     def rule(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
         if not eligible(recipe, eqn, ctx.scope):
             return matmul(ctx, eqn, invals)
+        ctx.tally(FLOAT8_PRODUCTS)
         formats = operand_dtypes(recipe, ctx.scope)
         return float8_product(eqn, recipe, formats, ctx.compute, *invals)
 

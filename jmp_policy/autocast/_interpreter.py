@@ -32,7 +32,6 @@ every equation through ``observe``:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
@@ -43,9 +42,9 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Va
 
 from jmp_policy._dtypes import is_floating_dtype
 from jmp_policy.autocast._lattice import (
-    F32, DType, convert, dtype_of, is_floating, join, represents, retyped, widest)
+    F32, DType, convert, dtype_of, is_floating, join, retyped, widest)
 from jmp_policy.autocast._rules import (
-    INDEPENDENT, TRACED_DTYPES, AutocastWarning, Rules, scope_names)
+    INDEPENDENT, TRACED_DTYPES, AutocastWarning, Rules)
 
 Handler = Callable[["Context", JaxprEqn, list[Any]], Any]
 """Evaluates one equation under autocast: ``(ctx, eqn, invals) -> outputs``.
@@ -117,8 +116,8 @@ class _TraceState:
     """What one trace of an autocast function learns as it goes."""
 
     warned: set[str] = dataclasses.field(default_factory=set)
-    matched: set[str] = dataclasses.field(default_factory=set)
     paths: set[str] = dataclasses.field(default_factory=set)
+    tallies: dict[str, int] = dataclasses.field(default_factory=dict)
     # Sub-jaxprs already rewritten: JAX's own helpers (`_where`, `clip`...) are nested
     # jits whose one jaxpr is called many times.
     jaxprs: dict[tuple[Any, ...], tuple[ClosedJaxpr, ClosedJaxpr]] = dataclasses.field(
@@ -154,7 +153,6 @@ class Context:
         scope = _join_path(self.scope, str(eqn.source_info.name_stack))
         matched = self.rules.scopes_in(scope)
         if self.rules.float32_scopes:
-            self._state.matched.update(matched)
             self._state.paths.add(scope)
         return dataclasses.replace(self, scope=scope, pinned=self.pinned or bool(matched))
 
@@ -162,19 +160,21 @@ class Context:
         """``x`` in ``dtype`` if both are floating, converted once per evaluated jaxpr."""
         return self._casts(x, dtype)
 
+    def tally(self, what: str) -> None:
+        """Counts one more ``what`` in this trace (a rule's way to say what it did)."""
+        self._state.tallies[what] = self._state.tallies.get(what, 0) + 1
+
+    def tallied(self, what: str) -> int:
+        """How many ``what`` this trace counted so far."""
+        return self._state.tallies.get(what, 0)
+
     def unmatched_scopes(self) -> list[tuple[str, list[str]]]:
         """The float32 scopes no equation was in so far, each with near misses."""
-        names = {name for path in self._state.paths for name in scope_names(path)}
-        return [(s, _near(s, names)) for s in self.rules.float32_scopes
-                if s not in self._state.matched]
+        return self.rules.unmatched(self._state.paths)
 
 
 def _join_path(prefix: str, path: str) -> str:
     return f"{prefix}/{path}" if prefix and path else prefix or path
-
-
-def _near(scope: str, names: set[str]) -> list[str]:
-    return [m for part in scope.split("/") for m in difflib.get_close_matches(part, names, n=2)]
 
 
 # --- Evaluation ------------------------------------------------------------------------
@@ -243,18 +243,18 @@ def _first_order(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
 
 
 def _convert(ctx: Context, eqn: JaxprEqn, x: Any) -> Any:
-    """A float-to-float cast written in ``fn`` only ever widens.
+    """A float-to-float cast written in ``fn`` is made, narrowing or widening.
 
-    The traced jaxpr cannot tell a user's ``x.astype(jnp.float16)`` from the
-    casts JAX itself inserts when ``fn`` is traced with half-precision inputs
-    (``jnp.mean`` and ``logsumexp`` compute in float32 and cast back). Applying
-    those would narrow float32 results mid-function, so narrowing happens only
-    where autocast decides: at matrix work and at ``fn``'s outputs.
+    A narrowing cast rounds as it does without autocast (fake quantization,
+    ``x.astype(jnp.bfloat16)`` before a custom kernel). Widening casts make no
+    difference to matrix work, whose operands autocast casts to the compute
+    dtype anyway (so Flax's promotion of inputs to its parameters' dtype is
+    overridden there).
     """
     new = eqn.params["new_dtype"]
     if not is_floating_dtype(new):
         return bind(eqn, [x])
-    return ctx.cast(x, new) if represents(np.dtype(new), dtype_of(x)) else x
+    return ctx.cast(x, np.dtype(new))
 
 
 def _at_traced_dtypes(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> list[Any]:

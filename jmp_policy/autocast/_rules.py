@@ -37,7 +37,8 @@ Class = Literal["matmul", "float32", "follow"]
 
 
 class AutocastWarning(UserWarning):
-    """Autocast met a primitive it has no rule for (reported once per trace, naming it)."""
+    """Autocast met a primitive it has no rule for (reported once per trace, naming it), or
+    was given ``fp8=`` for a function none of whose products can run in float8."""
 
 
 MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
@@ -140,6 +141,16 @@ class Rules:
             return ()
         names = scope_names(path)
         return tuple(s for s in self.float32_scopes if _contains(names, s.split("/")))
+
+    def unmatched(self, paths: Collection[str]) -> list[tuple[str, list[str]]]:
+        """The float32 scopes that no path of ``paths`` is in, each with near misses."""
+        matched = {s for path in paths for s in self.scopes_in(path)}
+        names = {name for path in paths for name in scope_names(path)}
+        return [(s, _near(s, names)) for s in self.float32_scopes if s not in matched]
+
+
+def _near(scope: str, names: set[str]) -> list[str]:
+    return [m for part in scope.split("/") for m in difflib.get_close_matches(part, names, n=2)]
 
 
 _TRANSFORMS = re.compile(r"^(?:\w+\()+|\)+$")

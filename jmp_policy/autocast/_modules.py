@@ -1,0 +1,265 @@
+"""Modules in autocast's arguments: Flax NNX state and module paths as scopes.
+
+Autocast traces ``fn`` on every call with its array leaves replaced by tracers
+(see ``_api``). Two kinds of module need more than a pytree flatten:
+
+* **Flax NNX** objects (modules, optimizers, ``Rngs``) hold mutable state and
+  may share submodules. They are split with ``nnx.split`` (shared references
+  once), merged again inside the trace, split again after ``fn`` ran, and the
+  state ``fn`` wrote (BatchNorm statistics, RNG counters, any ``Variable``) is
+  written back with ``nnx.update``, as ``nnx.jit`` does.
+* **Flax NNX and Equinox** modules name no ``jax.named_scope``, so that
+  operations inside them could not be told apart by autocast's rules, float8
+  exclusions or the inspector. While ``fn`` is traced, every method of their
+  classes runs under a name stack that is its attribute path from the root
+  module, with the root's class name first, as Flax linen names its modules:
+  ``Decoder/blocks/0/attn/q_proj``, and ``Decoder/embedder.attend`` for a
+  method other than ``__call__``.
+
+``import jmp_policy`` never imports Flax or Equinox: a module of theirs can only
+be in the arguments if the user imported them, so they are looked up in
+``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import sys
+import threading
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import jax
+from jax.extend import source_info_util
+
+
+def _nnx() -> Any:
+    return sys.modules.get("flax.nnx")
+
+
+def _eqx() -> Any:
+    return sys.modules.get("equinox")
+
+
+def is_nnx(x: Any) -> bool:
+    """True for a Flax NNX object with state (a module, an optimizer, ``Rngs``, a ``Variable``)."""
+    nnx = _nnx()
+    return nnx is not None and isinstance(x, (nnx.Pytree, nnx.Variable))
+
+
+def _is_eqx_module(x: Any) -> bool:
+    eqx = _eqx()
+    return eqx is not None and isinstance(x, eqx.Module)
+
+
+def _is_module(x: Any) -> bool:
+    nnx = _nnx()
+    return (nnx is not None and isinstance(x, nnx.Module)) or _is_eqx_module(x)
+
+
+# --- The function as data --------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Method:
+    """A bound method of a module, with the module as data (so it is flattened and traced)."""
+
+    function: Callable[..., Any]
+    module: Any
+
+
+jax.tree_util.register_pytree_node(
+    _Method, lambda m: ((m.module,), m.function), lambda f, children: _Method(f, children[0]))
+
+
+def as_data(fn: Callable[..., Any]) -> Any:
+    """``fn`` as something whose module state is traced: a module stays a module,
+    a module's bound method becomes a `_Method`, any other callable stays as it is."""
+    if inspect.ismethod(fn) and _is_module(fn.__self__):
+        return _Method(fn.__func__, fn.__self__)
+    return fn
+
+
+def call(callee: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """Calls what `as_data` returned (rebuilt from tracers) with ``args`` and ``kwargs``."""
+    if isinstance(callee, _Method):
+        return callee.function(callee.module, *args, **kwargs)
+    return callee(*args, **kwargs)
+
+
+# --- NNX state -------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class NnxState:
+    """The NNX objects among a call's leaves, split into a graph and its state (arrays)."""
+
+    positions: list[int]
+    graphdef: Any
+    state: Any
+
+    @classmethod
+    def split(cls, leaves: Sequence[Any]) -> Optional[NnxState]:
+        positions = [i for i, leaf in enumerate(leaves) if is_nnx(leaf)]
+        if not positions:
+            return None
+        graphdef, state = _nnx().split(tuple(leaves[i] for i in positions))
+        return cls(positions, graphdef, state)
+
+    def merged(self, leaves: list[Any], state: Any) -> tuple[Any, ...]:
+        """Fresh NNX objects holding ``state``, put in their places among ``leaves``."""
+        objects = _nnx().merge(self.graphdef, state)
+        for i, obj in zip(self.positions, objects):
+            leaves[i] = obj
+        return tuple(objects)
+
+
+def nnx_state(objects: tuple[Any, ...]) -> Any:
+    """The state of NNX objects, as `NnxState.split` takes it (after ``fn`` wrote to it)."""
+    return _nnx().split(objects)[1]
+
+
+def write_back(originals: Sequence[Any], state: Any) -> None:
+    """Writes ``state`` (from `nnx_state` after the call) into the caller's NNX objects."""
+    _nnx().update(tuple(originals), state)
+
+
+# --- Module paths --------------------------------------------------------------------------
+
+Path = tuple[str, ...]
+
+
+def module_paths(roots: Sequence[Any]) -> dict[int, tuple[Path, type]]:
+    """``id(module) -> (path, class)`` for every NNX or Equinox module in ``roots`` (pytrees).
+
+    A root module's path is its class name; a submodule's adds its attribute
+    path (``("Decoder", "blocks", "0", "attn")``). A module reachable along two
+    paths keeps the first found.
+    """
+    paths: dict[int, tuple[Path, type]] = {}
+    for root in roots:
+        for module in _modules_in(root):
+            _walk(module, (type(module).__name__,), paths)
+    return paths
+
+
+def _modules_in(tree: Any) -> list[Any]:
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: _is_module(x) or is_nnx(x))
+    return [leaf for leaf in leaves if _is_module(leaf)]
+
+
+def _walk(module: Any, path: Path, paths: dict[int, tuple[Path, type]]) -> None:
+    if id(module) in paths:
+        return
+    paths[id(module)] = (path, type(module))
+    for name, child in _children(module):
+        for key_path, sub in jax.tree_util.tree_flatten_with_path(
+                child, is_leaf=lambda x: _is_module(x) or is_nnx(x))[0]:
+            if _is_module(sub):
+                _walk(sub, (*path, name, *map(_key_name, key_path)), paths)
+
+
+def _children(module: Any) -> Iterator[tuple[str, Any]]:
+    """A module's attributes that may hold submodules, by name."""
+    if _is_eqx_module(module):
+        for field in dataclasses.fields(module):
+            yield field.name, getattr(module, field.name, None)
+        return
+    for name, value in vars(module).items():
+        if not name.startswith("_"):
+            yield name, value
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+# --- Scopes while fn is traced ------------------------------------------------------------
+
+class _Active(threading.local):
+    """The module paths of the traces this thread is in, innermost last."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[dict[int, tuple[Path, type]], Any]] = []
+
+
+_ACTIVE = _Active()
+_LOCK = threading.Lock()
+_PATCHED: dict[tuple[type, str], tuple[Any, int]] = {}  # (class, name) -> (original, users)
+
+
+@contextlib.contextmanager
+def module_scopes(roots: Sequence[Any]) -> Iterator[None]:
+    """Runs the block with the methods of every module in ``roots`` under its path as name stack."""
+    paths = module_paths(roots)
+    if not paths:
+        yield
+        return
+    classes = {cls for _, cls in paths.values()}
+    names = [(c, n) for cls in classes for c, n in _methods(cls)]
+    _patch(names)
+    _ACTIVE.stack.append((paths, source_info_util.current_name_stack()))
+    try:
+        yield
+    finally:
+        _ACTIVE.stack.pop()
+        _unpatch(names)
+
+
+def _methods(cls: type) -> Iterator[tuple[type, str]]:
+    """The methods of ``cls`` and its bases that compute: ``__call__`` and the public ones.
+
+    Flax's and Equinox's own base classes are left alone (their methods
+    split, merge and iterate modules).
+    """
+    for klass in cls.__mro__:
+        if klass.__module__.startswith(("flax.nnx.module", "flax.nnx.pytreelib", "equinox._module",
+                                        "flax.nnx.reprlib", "builtins", "abc", "typing",
+                                        "collections")):
+            continue
+        for name, value in vars(klass).items():
+            if inspect.isfunction(value) and (name == "__call__" or not name.startswith("_")):
+                yield klass, name
+
+
+def _patch(names: list[tuple[type, str]]) -> None:
+    with _LOCK:
+        for klass, name in names:
+            original, users = _PATCHED.get((klass, name), (vars(klass)[name], 0))
+            if users == 0:
+                type.__setattr__(klass, name, _scoped(original))
+            _PATCHED[(klass, name)] = (original, users + 1)
+
+
+def _unpatch(names: list[tuple[type, str]]) -> None:
+    with _LOCK:
+        for klass, name in names:
+            original, users = _PATCHED[(klass, name)]
+            if users == 1:
+                type.__setattr__(klass, name, original)
+                del _PATCHED[(klass, name)]
+            else:
+                _PATCHED[(klass, name)] = (original, users - 1)
+
+
+def _scoped(method: Callable[..., Any]) -> Callable[..., Any]:
+    suffix = "" if method.__name__ == "__call__" else f".{method.__name__}"
+
+    @functools.wraps(method)
+    def scoped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        found = _ACTIVE.stack[-1][0].get(id(self)) if _ACTIVE.stack else None
+        if found is None or found[1] is not type(self):  # not a module of this trace
+            return method(self, *args, **kwargs)
+        path = found[0]
+        stack = _ACTIVE.stack[-1][1]
+        for part in (*path[:-1], path[-1] + suffix):
+            stack = stack.extend(part)
+        # The name stack is set, not extended: a module's operations are named by its
+        # path from the root wherever it is called from (a tied head from its owner).
+        with source_info_util.set_name_stack(stack):
+            return method(self, *args, **kwargs)
+
+    return scoped

@@ -1,0 +1,108 @@
+"""Which outputs of ``fn`` autocast returns in the policy's output dtype.
+
+An output is never narrowed below the precision it was computed in. Autocast
+computes matrix work in the compute dtype and accumulates it in float32, so a
+product's float32 result is a half-precision result in all but its rounding:
+an output made by matrix work is returned in the policy's output dtype. An
+output made by a float32-class primitive (a reduction, a softmax, a norm, a
+loss) or by a cast the user wrote is returned in the dtype autocast computed,
+and so is an argument passed through.
+
+`output_kinds` reads this off ``fn``'s traced jaxpr: each value is
+`ARGUMENT` (an input or constant, or computed from those alone), `PRODUCT`
+(last shaped by matrix work) or `KEPT` (by a float32-class primitive or a
+cast); elementwise and structural primitives take the strongest kind of their
+inputs, in that order.
+
+>>> import jax, jax.numpy as jnp
+>>> from jmp_policy.autocast._rules import parse_rules
+>>> closed = jax.make_jaxpr(lambda w, x: (x @ w + 1.0, jnp.mean(x @ w), x * 2))(
+...     jnp.ones((2, 2)), jnp.ones((3, 2)))
+>>> output_kinds(closed.jaxpr, parse_rules(None)) == [PRODUCT, KEPT, ARGUMENT]
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
+
+from jmp_policy._dtypes import is_floating_dtype
+from jmp_policy.autocast._rules import Rules
+
+ARGUMENT, PRODUCT, KEPT = 0, 1, 2
+
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+          "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr",
+          "shard_map": "jaxpr"}
+
+
+def output_kinds(jaxpr: Jaxpr, rules: Rules, scope: str = "") -> list[int]:
+    """The kind of each output of ``jaxpr`` (inputs and constants are `ARGUMENT`)."""
+    return _kinds(jaxpr, [ARGUMENT] * len(jaxpr.invars), rules, scope)
+
+
+def _kinds(jaxpr: Jaxpr, in_kinds: Sequence[int], rules: Rules, scope: str) -> list[int]:
+    env: dict[Any, int] = dict(zip(jaxpr.invars, in_kinds))
+
+    def kind(v: Any) -> int:
+        return ARGUMENT if isinstance(v, Literal) else env.get(v, ARGUMENT)
+
+    for eqn in jaxpr.eqns:
+        path = "/".join(p for p in (scope, str(eqn.source_info.name_stack)) if p)
+        outs = _equation(eqn, [kind(v) for v in eqn.invars], rules, path)
+        env.update(zip(eqn.outvars, outs))
+    return [kind(v) for v in jaxpr.outvars]
+
+
+def _equation(eqn: JaxprEqn, ins: list[int], rules: Rules, path: str) -> list[int]:
+    name, n_out = eqn.primitive.name, len(eqn.outvars)
+    if name in _CALLS and _CALLS[name] in eqn.params:
+        return _kinds(*_open(eqn.params[_CALLS[name]]), ins, rules, path)
+    if name == "scan":
+        return _loop(eqn.params["jaxpr"], ins, n_out, rules, path, _scan_carry(eqn, len(ins)))
+    if name == "while":
+        cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        return _loop(eqn.params["body_jaxpr"], ins[cn:], n_out, rules, path, slice(bn, None))
+    if name == "cond":
+        branches = [_kinds(*_open(b), ins[1:], rules, path) for b in eqn.params["branches"]]
+        return [max(ks) for ks in zip(*branches)]
+    if not any(is_floating_dtype(v.aval.dtype) for v in eqn.outvars if hasattr(v.aval, "dtype")):
+        return [ARGUMENT] * n_out
+    if name == "convert_element_type" or rules.scopes_in(path):
+        return [KEPT] * n_out
+    cls = rules.classes.get(name)
+    if cls == "matmul":
+        return [PRODUCT] * n_out
+    if cls == "float32":
+        return [KEPT] * n_out
+    return [max(ins, default=ARGUMENT)] * n_out
+
+
+def _open(jaxpr: Any) -> tuple[Jaxpr]:
+    return (jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr,)
+
+
+def _scan_carry(eqn: JaxprEqn, n_in: int) -> slice:
+    params = eqn.params
+    if "num_consts" in params:  # jax 0.10
+        nc, nk = params["num_consts"], params["num_carry"]
+    else:  # jax >= 0.11: a flat tree (consts, carry, xs)
+        consts, carry, _ = params["ft_in"].unpack()
+        nc, nk = len(consts), len(carry)
+    return slice(nc, nc + nk)
+
+
+def _loop(body: Any, ins: list[int], n_out: int, rules: Rules, path: str,
+          carry: slice) -> list[int]:
+    """A loop body's output kinds, its carries joined over iterations (kinds only grow)."""
+    ins = list(ins)
+    for _ in range(3):  # three kinds: stable after at most two joins
+        outs = _kinds(*_open(body), ins, rules, path)
+        joined = [max(a, b) for a, b in zip(ins[carry], outs)]
+        if joined == ins[carry]:
+            break
+        ins[carry] = joined
+    return outs[:n_out]
