@@ -45,13 +45,15 @@ def cast_leaves(leaves: Sequence[Any], dtypes: Sequence[Optional[np.dtype[Any]]]
     """Casts ``leaves[i]`` to ``dtypes[i]`` (``None``: leave it) following the casting rules."""
     global _ARRAY_IMPL
     out = list(leaves)
-    batches: dict[np.dtype[Any], list[int]] = {}  # dtype -> indices of jax arrays to convert
+    # (dtype, sharding) -> indices of the jax arrays to convert: one jitted call may only
+    # take arrays on the same devices.
+    batches: dict[tuple[np.dtype[Any], Any], list[int]] = {}
     for i, (x, dtype) in enumerate(zip(leaves, dtypes)):
         if dtype is None:
             continue
         if type(x) is _ARRAY_IMPL:  # the common case first: a concrete jax array
             if x.dtype != dtype and is_floating_dtype(x.dtype):
-                batches.setdefault(dtype, []).append(i)
+                batches.setdefault((dtype, x.sharding), []).append(i)
             continue
         x_dtype: Any = getattr(x, "dtype", None)
         if x_dtype is None or x_dtype == dtype or not is_floating_dtype(x_dtype):
@@ -60,10 +62,10 @@ def cast_leaves(leaves: Sequence[Any], dtypes: Sequence[Optional[np.dtype[Any]]]
             out[i] = x.astype(dtype)
         elif isinstance(x, jax.Array):
             _ARRAY_IMPL = type(x)
-            batches.setdefault(dtype, []).append(i)
+            batches.setdefault((dtype, x.sharding), []).append(i)
         elif isinstance(x, (np.ndarray, np.generic)):
             out[i] = x.astype(dtype)  # stays a host value, as given
-    for dtype, idx in batches.items():
+    for (dtype, _), idx in batches.items():
         if len(idx) < _BATCH_MIN:
             for i in idx:
                 out[i] = leaves[i].astype(dtype)

@@ -121,13 +121,14 @@ def round_to(x: jax.Array, dtype: Any) -> jax.Array:
     >>> float(round_to(jnp.float32(3e-6), jnp.float16)) == float(jnp.float16(3e-6))
     True
     """
-    info = jnp.finfo(dtype)
+    info = jnp.finfo(dtype)  # type: ignore[no-untyped-call]
     # A type without infinities spends its top exponent on numbers: one more
     # exponent bit keeps those finite.
     has_inf = bool(np.isinf(np.asarray(np.inf).astype(dtype)))
     normal = jax.lax.reduce_precision(x, exponent_bits=info.nexp + (not has_inf),
                                       mantissa_bits=info.nmant)
-    if jnp.finfo(x.dtype).smallest_normal >= info.smallest_normal:
+    wide = jnp.finfo(x.dtype)  # type: ignore[no-untyped-call]
+    if wide.smallest_normal >= info.smallest_normal:
         return normal  # the narrow type's subnormals are the wide type's (bfloat16 in float32)
     quantum = jnp.asarray(info.smallest_subnormal, x.dtype)
     subnormal = jax.lax.round(x / quantum, jax.lax.RoundingMethod.TO_NEAREST_EVEN) * quantum

@@ -356,8 +356,10 @@ def set_nnx_policy(model: M, policy: PolicyLike = None, rules: Rules = ()) -> M:
     ``param_dtype`` attribute gets the param dtype and its own ``nnx.Param``
     values are cast to it. ``rules`` (module class or path regex -> policy, first
     match wins, as in `module_policy`) take precedence over ``policy``, which
-    applies to the rest (``None``: the global policy). A rule that matches no
-    submodule is reported with a `jmp_policy.UnmatchedRuleWarning`.
+    applies to the rest. Without ``policy``, submodules no rule matches are left
+    as built when rules are given (as `module_policy` leaves them), and get the
+    global policy when none are. A rule that matches no submodule is reported
+    with a `jmp_policy.UnmatchedRuleWarning`.
 
     >>> from flax import nnx
     >>> model = nnx.Sequential(nnx.Linear(2, 4, rngs=nnx.Rngs(0)), nnx.LayerNorm(4, rngs=nnx.Rngs(0)))
@@ -372,7 +374,7 @@ def set_nnx_policy(model: M, policy: PolicyLike = None, rules: Rules = ()) -> M:
             f"set_nnx_policy expects a flax.nnx.Module, got {type(model).__module__}."
             f"{type(model).__qualname__}{hint}.")
     compiled = _compile_rules(rules, "set_nnx_policy")
-    default = as_policy(policy)
+    default = None if policy is None and compiled else as_policy(policy)
     unmatched = set(range(len(compiled)))
     paths = []
     for parts, module in nnx.iter_modules(model):

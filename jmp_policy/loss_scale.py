@@ -78,7 +78,8 @@ def _real(x: Any, name: str) -> float:
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Real, np.ndarray, jax.Array)):
         raise TypeError(f"{name} must be a real number, got {x!r} of type {type(x).__name__}.")
     value = np.asarray(x)
-    if value.ndim != 0 or not np.issubdtype(value.dtype, np.number):
+    # jnp.issubdtype knows bfloat16 and float8 are numbers; numpy does not.
+    if value.ndim != 0 or not jnp.issubdtype(value.dtype, jnp.number):
         raise TypeError(f"{name} must be a real scalar, got {x!r}.")
     return float(value)
 
@@ -367,11 +368,13 @@ def as_loss_scale(loss_scale: Any) -> LossScale:
     """The loss-scale object meant by a ``loss_scale=`` argument.
 
     ``"dynamic"`` (a default `DynamicLossScale`), a number or a 0-d array (a
-    `StaticLossScale`), ``None`` (`NoOpLossScale`), a `jmp_policy.Policy` (its
-    loss scale) or a loss-scale object (returned as it is).
+    `StaticLossScale`), ``None`` (`NoOpLossScale`), a `jmp_policy.Policy` or a
+    policy name (its loss scale) or a loss-scale object (returned as it is).
 
     >>> as_loss_scale(128.0)
     StaticLossScale(loss_scale=np.float32(128.0))
+    >>> as_loss_scale("mixed_bfloat16")
+    NoOpLossScale()
     """
     from jmp_policy.policy import Policy  # policy.py imports this module
 
@@ -384,18 +387,23 @@ def as_loss_scale(loss_scale: Any) -> LossScale:
     if isinstance(loss_scale, str):
         if loss_scale == "dynamic":
             return DynamicLossScale()
-        raise ValueError(f"Unknown loss_scale {loss_scale!r}: {_FORMS}.")
+        try:
+            return Policy(loss_scale).loss_scale
+        except ValueError as error:
+            raise ValueError(f"Unknown loss_scale {loss_scale!r}: {_FORMS}. As a policy name: "
+                             f"{error}") from None
     is_number = isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, bool)
     is_array = (isinstance(loss_scale, (np.ndarray, np.generic, jax.Array))
-                and np.ndim(loss_scale) == 0 and np.issubdtype(loss_scale.dtype, np.number))
+                and np.ndim(loss_scale) == 0 and jnp.issubdtype(loss_scale.dtype, jnp.number))
     if is_number or is_array:
         return StaticLossScale(loss_scale)
     raise TypeError(f"loss_scale must be one of: {_FORMS}; got {loss_scale!r} of type "
                     f"{type(loss_scale).__name__}.")
 
 
-_FORMS = ("'dynamic', a number (a static scale), None (no scaling), a jmp_policy.Policy, or a "
-          "NoOpLossScale / StaticLossScale / DynamicLossScale")
+_FORMS = ("'dynamic', a number (a static scale), None (no scaling), a jmp_policy.Policy or "
+          "policy name such as 'mixed_float16', or a NoOpLossScale / StaticLossScale / "
+          "DynamicLossScale")
 
 
 # ---------------------------------------------------------------------------

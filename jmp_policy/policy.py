@@ -329,7 +329,10 @@ class Policy:
         *,
         name: Optional[str] = None,
         loss_scale: _ls.LossScaleLike = _UNSET,
+        _loss_scale: Optional[_LossScaleConfig] = None,
     ) -> None:
+        # ``_loss_scale`` is the field as ``dataclasses.replace`` passes it back (jmp's
+        # Policy is a dataclass, and code written for jmp replaces its dtypes).
         if name is not None:
             if not isinstance(name, str):
                 raise TypeError(f"Policy(name=...) takes a policy name such as 'mixed_float16', "
@@ -340,6 +343,8 @@ class Policy:
                     "either a name or param_dtype/compute_dtype/output_dtype.")
             param_dtype = name
         dtypes, ls = _dtypes_from_args(param_dtype, compute_dtype, output_dtype)
+        if _loss_scale is not None:
+            ls = _loss_scale
         if loss_scale is not _UNSET:
             ls = _loss_scale_config(loss_scale)
         elif ls is None:

@@ -203,7 +203,8 @@ class _Call:
         with _modules.module_scopes([callee, args, kwargs]):
             out = _modules.call(callee, args, kwargs)
         out_leaves, self.out_tree = jax.tree_util.tree_flatten(out)
-        new_state = jax.tree_util.tree_leaves(_modules.nnx_state(objects)) if objects else []
+        new_state: list[Any] = (jax.tree_util.tree_leaves(_modules.nnx_state(objects))
+                                if objects else [])
         self.n_state = len(new_state)
         everything = [*out_leaves, *new_state]
         self.static_outs = [None if _is_array(x) or _is_tracer(x) else x for x in everything]
@@ -277,6 +278,8 @@ def _scope_paths(jaxpr: Jaxpr, prefix: str = "") -> set[str]:
         paths.add(path)
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, (Jaxpr, ClosedJaxpr)):
-                    paths |= _scope_paths(getattr(sub, "jaxpr", sub), path)
+                if isinstance(sub, ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, Jaxpr):
+                    paths |= _scope_paths(sub, path)
     return paths

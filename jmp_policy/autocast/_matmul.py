@@ -31,19 +31,22 @@ from jmp_policy.autocast._lattice import F32, DType, convert, join
 def matmul(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
     """Floating operands in ``ctx.compute``; a float32 result where the primitive can give one.
 
-    ``dot_general`` and ``conv_general_dilated`` accumulate in float32
-    (``preferred_element_type``) and return float32, so a sum of many products
-    is not rounded to half precision at every step; their backward products
-    run in the compute dtype too (see `mixed_product`).
+    ``dot_general``, ``conv_general_dilated`` and ``ragged_dot_general``
+    accumulate in float32 (``preferred_element_type``) and return float32, so
+    a sum of many products is not rounded to half precision at every step;
+    their backward products run in the compute dtype too (see `mixed_product`).
     """
     operands = [ctx.cast(x, ctx.compute) for x in invals]
-    if "preferred_element_type" not in eqn.params or len(operands) != 2:
+    if "preferred_element_type" not in eqn.params:
         return bind(eqn, operands)
     return mixed_product(eqn, ctx.compute, *operands)
 
 
-def mixed_product(eqn: JaxprEqn, compute: DType, lhs: Any, rhs: Any) -> Any:
+def mixed_product(eqn: JaxprEqn, compute: DType, lhs: Any, rhs: Any, *rest: Any) -> Any:
     """``eqn``'s product of ``lhs`` and ``rhs`` (in ``compute``), accumulated in float32.
+
+    ``rest`` are the primitive's other operands, not differentiated (the group
+    sizes of ``ragged_dot_general``).
 
     Left to itself, JAX would differentiate a float32-accumulating product into
     backward products between a float32 cotangent and a half-precision operand,
@@ -54,25 +57,25 @@ def mixed_product(eqn: JaxprEqn, compute: DType, lhs: Any, rhs: Any) -> Any:
     acc = join(compute, F32)
     fwd_params = dict(eqn.params, preferred_element_type=acc)
     if acc == compute:  # float32 (or wider) compute: JAX's own derivative is already right
-        return bind(eqn, (lhs, rhs), fwd_params)
+        return bind(eqn, (lhs, rhs, *rest), fwd_params)
     tan_params = dict(eqn.params, preferred_element_type=compute)
 
     # The rule below runs whenever this product is differentiated, possibly long after
     # this trace: it keeps the equation and dtypes, never a traced value.
-    def product(a: Any, b: Any) -> Any:
-        return bind(eqn, (a, b), fwd_params)
+    def product(a: Any, b: Any, *rest: Any) -> Any:
+        return bind(eqn, (a, b, *rest), fwd_params)
 
-    def product_jvp(primals: tuple[Any, Any], tangents: tuple[Any, Any]) -> tuple[Any, Any]:
-        a, b = primals
-        ta, tb = tangents
+    def product_jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
+        a, b, *rest = primals
+        ta, tb = tangents[:2]
         terms = []
         if not isinstance(ta, SymbolicZero):
-            terms.append(bind(eqn, (convert(ta, compute), b), tan_params))
+            terms.append(bind(eqn, (convert(ta, compute), b, *rest), tan_params))
         if not isinstance(tb, SymbolicZero):
-            terms.append(bind(eqn, (a, convert(tb, compute)), tan_params))
-        return custom(a, b), convert(functools.reduce(lax.add, terms), acc)
+            terms.append(bind(eqn, (a, convert(tb, compute), *rest), tan_params))
+        return custom(a, b, *rest), convert(functools.reduce(lax.add, terms), acc)
 
     product.__name__ = eqn.primitive.name
     custom = jax.custom_jvp(product)
     custom.defjvp(product_jvp, symbolic_zeros=True)
-    return custom(lhs, rhs)
+    return custom(lhs, rhs, *rest)

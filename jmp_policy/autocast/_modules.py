@@ -153,8 +153,8 @@ def _walk(module: Any, path: Path, paths: dict[int, tuple[Path, type]]) -> None:
         return
     paths[id(module)] = (path, type(module))
     for name, child in _children(module):
-        for key_path, sub in jax.tree_util.tree_flatten_with_path(
-                child, is_leaf=lambda x: _is_module(x) or is_nnx(x))[0]:
+        # NNX containers (nnx.List, nnx.Dict) are pytrees: flattened through to the modules.
+        for key_path, sub in jax.tree_util.tree_flatten_with_path(child, is_leaf=_is_module)[0]:
             if _is_module(sub):
                 _walk(sub, (*path, name, *map(_key_name, key_path)), paths)
 

@@ -69,6 +69,8 @@ FOLLOW_PRIMITIVES = frozenset({
     "abs", "add", "add_any", "sub", "mul", "neg", "max", "min", "sign", "floor", "ceil",
     "round", "nextafter", "rem", "clamp", "select_n", "tanh", "sin", "cos", "atan", "atan2",
     "one_minus_square",  # 1 - x**2, tanh's derivative (JAX 0.11+)
+    "eq_to", "le_to", "lt_to",  # total-order comparisons (searchsorted, histograms)
+    "name",  # jax.ad_checkpoint.checkpoint_name: an identity that names a value
     "is_finite", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
     "shift_left", "shift_right_arithmetic", "shift_right_logical", "population_count", "clz",
     "real", "imag", "conj", "complex", "reduce_precision", "stop_gradient", "copy", "copy_p",
@@ -104,6 +106,8 @@ TRACED_DTYPES = frozenset({
     "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
     "pure_callback", "io_callback", "debug_callback", "debug_print", "ffi_call",
     "rng_uniform", "convert_element_type",
+    # JAX 0.12's library-level primitives (jnp.searchsorted): run as JAX wrote them.
+    "call_hi_primitive",
 })
 
 _DEFAULTS: Mapping[Class, frozenset[str]] = {
