@@ -376,6 +376,9 @@ def scaled_loss_fn(fun: Callable[..., Any], loss_scale: LossScaleLike,
     return scaled
 
 
+_KEEP: Any = object()
+
+
 def scaled_value_and_grad(
     fun: Callable[..., Any],
     argnums: Union[int, Sequence[int]] = 0,
@@ -389,6 +392,11 @@ def scaled_value_and_grad(
     optimizer's ``update``. ``loss_scale`` takes the forms `loss_scaling`
     takes; usually it is ``jmp_policy.get_loss_scale(opt_state)``.
 
+    The floating-point array leaves of the arguments at ``argnums`` are
+    differentiated; their other leaves (integers, an Equinox module's Python
+    fields and functions) get ``None`` gradients, as ``eqx.filter_grad``
+    gives them, so an Equinox module can be passed as it is.
+
     >>> import jax.numpy as jnp
     >>> import jmp_policy
     >>> f = lambda w: jnp.sum(w.astype(jnp.float16) ** 2)
@@ -399,7 +407,42 @@ def scaled_value_and_grad(
 
     def value_and_grad(loss_scale: LossScaleLike, *args: Any, **kwargs: Any) -> Tuple[Any, Any]:
         scaled = scaled_loss_fn(fun, loss_scale, has_aux)
-        grads, (loss, aux) = jax.grad(scaled, argnums=argnums, has_aux=True)(*args, **kwargs)
-        return ((loss, aux) if has_aux else loss), grads
+        positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        split = [_Differentiable.of(args[i]) for i in positions]
+
+        def of_leaves(*leaves: list[Any]) -> Tuple[jax.Array, Tuple[Any, Any]]:
+            full = list(args)
+            for i, part, diff in zip(positions, split, leaves):
+                full[i] = part.rebuild(diff)
+            return scaled(*full, **kwargs)
+
+        grads, (loss, aux) = jax.grad(of_leaves, argnums=tuple(range(len(split))), has_aux=True)(
+            *[part.leaves for part in split])
+        trees = [part.rebuild(g, missing=None) for part, g in zip(split, grads)]
+        return ((loss, aux) if has_aux else loss), (
+            trees[0] if isinstance(argnums, int) else tuple(trees))
 
     return value_and_grad
+
+
+class _Differentiable:
+    """An argument split into its floating-point array leaves and everything else."""
+
+    def __init__(self, leaves: list[Any], treedef: Any, where: list[int], all_leaves: list[Any]):
+        self.leaves, self._treedef, self._where, self._all = leaves, treedef, where, all_leaves
+
+    @classmethod
+    def of(cls, tree: Any) -> _Differentiable:
+        all_leaves, treedef = jax.tree_util.tree_flatten(tree)
+        where = [i for i, x in enumerate(all_leaves)
+                 if isinstance(x, (jax.Array, np.ndarray, np.generic))
+                 and jnp.issubdtype(x.dtype, jnp.inexact)]
+        return cls([all_leaves[i] for i in where], treedef, where, all_leaves)
+
+    def rebuild(self, leaves: list[Any], missing: Any = _KEEP) -> Any:
+        """The tree with ``leaves`` at the floating positions, ``missing`` (or the
+        original leaves) elsewhere."""
+        full = list(self._all) if missing is _KEEP else [missing] * len(self._all)
+        for i, x in zip(self._where, leaves):
+            full[i] = x
+        return jax.tree_util.tree_unflatten(self._treedef, full)

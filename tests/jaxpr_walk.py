@@ -20,3 +20,14 @@ def eqns(jaxpr):
         yield eqn
         for sub in _sub_jaxprs(eqn.params):
             yield from eqns(sub)
+
+
+def scoped_eqns(jaxpr, prefix=""):
+    """``(scope, eqn)`` for every equation, nested ones with their callers' scopes prefixed."""
+    if isinstance(jaxpr, ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    for eqn in jaxpr.eqns:
+        scope = "/".join(p for p in (prefix, str(eqn.source_info.name_stack)) if p)
+        yield scope, eqn
+        for sub in _sub_jaxprs(eqn.params):
+            yield from scoped_eqns(sub, scope)

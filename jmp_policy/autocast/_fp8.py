@@ -6,11 +6,14 @@ numerics inspector) agree:
 
 * `Float8Recipe` holds the settings and `as_recipe` reads autocast's ``fp8=``
   argument into one;
-* `eligible` says whether a ``dot_general`` equation runs in float8, and
-  `operand_dtypes` which float8 format each of its operands takes;
+* `eligible` says whether a ``dot_general`` (or mixture-of-experts
+  ``ragged_dot_general``) equation runs in float8, and `operand_dtypes`
+  which float8 format each of its operands takes;
 * `quantize` converts an operand to float8 with current scaling (one scale
-  per tensor or per row, from its absolute maximum, no state), and
-  `quantization_counts` says how many of its values the conversion loses.
+  per tensor or per row, from its absolute maximum, no state),
+  `quantize_groups` does so with one scale per group of rows and column (the
+  weight gradient of a ragged product), and `quantization_counts` says how
+  many of its values the conversion loses.
 
 A product ``dot_general(lhs, rhs)`` is computed as
 ``dot_general(q_lhs, q_rhs, preferred_element_type=float32) * s_lhs * s_rhs``
@@ -71,9 +74,8 @@ class Float8Recipe:
         backward pass); a product that matches stays in the compute dtype.
         The default, `DEFAULT_EXCLUDE`, keeps the output layer of a model out
         of float8: a scope named ``logits...``, ``lm_head...`` or ``head``, and
-        a head tied to its embedding: any ``.attend`` method (``nn.Embed``'s in
-        linen, ``nnx.Embed``'s, e.g. ``Decoder/embedder.attend``) and any scope
-        named ``...embed...``.
+        a head tied to its embedding, any ``.attend`` method (``nn.Embed``'s in
+        linen, ``nnx.Embed``'s: ``Decoder/embedder.attend``).
       batched: whether products with batch dimensions (attention's scores and
         weighted values, per-example weights under ``vmap``) run in float8
         too. ``False`` keeps them in the compute dtype and float8s only the
@@ -108,7 +110,7 @@ class Float8Recipe:
 
     # Anchored on whole scope names: an ``attention_head`` or ``heads`` scope is not matched.
     DEFAULT_EXCLUDE: ClassVar[tuple[str, ...]] = (
-        r"(?i)(^|/)(logits?\w*|lm_head\w*|head|\w*embed\w*)(\.\w+)?(/|$)",
+        r"(?i)(^|/)(logits?\w*|lm_head\w*|head)(\.\w+)?(/|$)",
         r"(^|/)\w+\.attend(/|$)")
 
     scaling: Scaling = "tensorwise"
@@ -212,21 +214,37 @@ def as_recipe(fp8: Float8Like) -> Optional[Float8Recipe]:
 
 # --- Which products, in which formats ----------------------------------------------------
 
+RAGGED = "ragged_dot_general"
+"""The mixture-of-experts product (``lax.ragged_dot``): rows of lhs ``[m, k]``, sorted
+by group, times their group's matrix of rhs ``[g, k, n]``."""
+
+
+def _dimension_numbers(eqn: JaxprEqn) -> Any:
+    """``((lhs contracting, rhs contracting), (lhs batch, rhs batch))`` of a product."""
+    if eqn.primitive.name == RAGGED:
+        return eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
+    return eqn.params["dimension_numbers"]
+
+
 def contracting_axes(eqn: JaxprEqn) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The contracting axes of a ``dot_general`` equation's (lhs, rhs)."""
-    (lc, rc), _ = eqn.params["dimension_numbers"]
+    """The contracting axes of a ``dot_general`` (or ``ragged_dot_general``) equation's
+    (lhs, rhs)."""
+    (lc, rc), _ = _dimension_numbers(eqn)
     return tuple(lc), tuple(rc)
 
 
 def product_sizes(eqn: JaxprEqn) -> tuple[int, int, int]:
     """``(m, k, n)`` of a ``dot_general``: non-contracting, contracting, non-contracting sizes.
 
-    Each is the product of those dimensions' sizes, batch dimensions aside.
+    Each is the product of those dimensions' sizes, batch dimensions (and the
+    group dimension of a ragged product's rhs) aside.
     """
-    lhs, rhs = (_aval(v).shape for v in eqn.invars)
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = (_aval(v).shape for v in eqn.invars[:2])
+    (lc, rc), (lb, rb) = _dimension_numbers(eqn)
+    groups = eqn.params["ragged_dot_dimension_numbers"].rhs_group_dimensions \
+        if eqn.primitive.name == RAGGED else ()
     m = math.prod(d for i, d in enumerate(lhs) if i not in lc and i not in lb)
-    n = math.prod(d for i, d in enumerate(rhs) if i not in rc and i not in rb)
+    n = math.prod(d for i, d in enumerate(rhs) if i not in (*rc, *rb, *groups))
     return m, math.prod(lhs[i] for i in lc), n
 
 
@@ -237,21 +255,41 @@ def _aval(var: Any) -> Any:
 def eligible(recipe: Float8Recipe, eqn: JaxprEqn, scope: str) -> bool:
     """True when ``recipe`` runs ``eqn``, found under the name-scope path ``scope``, in float8.
 
-    That is a ``dot_general`` with floating operands, no size below
-    ``recipe.min_size`` (empty products never qualify), batch dimensions only
-    if ``recipe.batched``, and a scope that no ``recipe.exclude`` pattern
-    matches. (A product in an autocast float32 scope runs in float32 before
-    this is asked.)
+    That is a ``dot_general``, or a ``ragged_dot_general`` of the
+    mixture-of-experts layout (see `is_plain_ragged`), with floating operands,
+    no size below ``recipe.min_size`` (empty products never qualify), batch
+    dimensions only if ``recipe.batched``, and a scope that no
+    ``recipe.exclude`` pattern matches. (A product in an autocast float32
+    scope runs in float32 before this is asked.)
     """
-    if eqn.primitive.name != "dot_general" or len(eqn.invars) != 2:
+    if eqn.primitive.name == RAGGED:
+        if not is_plain_ragged(eqn):
+            return False
+    elif eqn.primitive.name != "dot_general" or len(eqn.invars) != 2:
         return False
-    if not all(is_floating_dtype(_aval(v).dtype) for v in eqn.invars):
+    if not all(is_floating_dtype(_aval(v).dtype) for v in eqn.invars[:2]):
         return False
     if min(product_sizes(eqn)) < max(recipe.min_size, 1):
         return False
     if not recipe.batched and eqn.params["dimension_numbers"][1][0]:
         return False
     return not recipe.excludes(scope)
+
+
+def is_plain_ragged(eqn: JaxprEqn) -> bool:
+    """Whether a ``ragged_dot_general`` has the layout of ``lax.ragged_dot``, the one
+    autocast's float8 rule runs: lhs ``[m, k]`` ragged along ``m``, rhs ``[g, k, n]``
+    (or ``[g, n, k]``), group sizes ``[g]``, no batch dimensions, no group offset.
+
+    The other modes (ragged contracting or batch dimensions, which JAX writes for a
+    ragged product's weight gradient) stay in the compute dtype.
+    """
+    dims = eqn.params["ragged_dot_dimension_numbers"]
+    (lc, rc), (lb, rb) = dims.dot_dimension_numbers
+    lhs, rhs, sizes = (_aval(v).ndim for v in eqn.invars)
+    return (lhs, rhs, sizes) == (2, 3, 1) and tuple(lc) == (1,) and tuple(rc) in ((1,), (2,)) \
+        and not lb and not rb and tuple(dims.lhs_ragged_dimensions) == (0,) \
+        and tuple(dims.rhs_group_dimensions) == (0,) and eqn.params["group_offset"] is None
 
 
 def is_backward(scope: str) -> bool:
@@ -298,15 +336,18 @@ def inverse_scale(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[i
     axes = _reduced_axes(jnp.ndim(x), scaling, contracting_axes)
     amax = lax.convert_element_type(lax.reduce_max(lax.abs(x), axes), _F32) if axes \
         else lax.abs(lax.convert_element_type(x, _F32))
+    return lax.expand_dims(_factor(amax, dtype, power_of_two), axes)
+
+
+def _factor(amax: jax.Array, dtype: Any, power_of_two: bool) -> jax.Array:
+    """The inverse scales of values whose absolute maxima are ``amax`` (see `inverse_scale`)."""
     top = np.float32(jnp.finfo(dtype).max)  # type: ignore[no-untyped-call]
     # The maximum is bounded below rather than the factor above: max/0 is never formed,
     # and a factor far below float32's largest value stays finite when XLA folds it
     # with the constants around it ((g / keep_prob) * factor becomes g * (factor /
     # keep_prob) under jit). lax.max keeps NaN; inf gives a factor of 0.
-    factor = lax.div(top, lax.max(amax, np.float32(top / MAX_FACTOR)))
-    if power_of_two:
-        factor = _floor_power_of_two(factor)
-    return lax.expand_dims(factor, axes)
+    factor = lax.div(top, amax)
+    return _floor_power_of_two(factor) if power_of_two else factor
 
 
 MAX_FACTOR = 2.0 ** 64
@@ -347,6 +388,43 @@ def quantize(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int], 
     inv = inverse_scale(x, dtype, scaling, contracting_axes, power_of_two)
     # No clamp needed: |x| * inv <= max * (1 + 2^-24)^2, which rounds to the format's max.
     q = lax.convert_element_type(lax.mul(lax.convert_element_type(x, _F32), inv), np.dtype(dtype))
+    return q, lax.div(np.float32(1), inv)
+
+
+def group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """The group of each of ``rows`` rows sorted by group into ``group_sizes``; rows
+    past ``sum(group_sizes)`` get ``len(group_sizes)``, which is no group."""
+    ends = jnp.cumsum(group_sizes)
+    # Unrolled binary search: log2(groups) vectorized steps, no loop for XLA to run.
+    return jnp.searchsorted(ends, lax.iota(ends.dtype, rows), side="right",
+                            method="scan_unrolled")
+
+
+def quantize_groups(x: Any, dtype: Any, ids: jax.Array, num_groups: int, *,
+                    power_of_two: bool = False) -> tuple[jax.Array, jax.Array]:
+    """``x`` (rows sorted by group, group ``ids``) in the float8 ``dtype``, one scale per
+    group and column: returns ``(q, scale)``, ``scale`` of shape ``(num_groups, *x.shape[1:])``.
+
+    The scaling of the right operand of a product summing over each group's rows
+    (a ragged product's weight gradient): row ``i`` of ``q`` times
+    ``scale[ids[i]]`` approximates row ``i`` of ``x``. An empty group gets a
+    finite scale, as an all-zero row does in `quantize`; the finite values of
+    rows in no group (ids out of range) quantize to zero.
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.array([[1e-3, 1.0], [2e-3, -4.0], [500.0, 0.0]])
+    >>> q, scale = quantize_groups(x, jnp.float8_e4m3fn, jnp.array([0, 0, 1]), 2)
+    >>> [f"{v:.3g}" for v in (q.astype(jnp.float32) * scale[jnp.array([0, 0, 1])]).ravel()]
+    ['0.001', '1', '0.002', '-4', '500', '0']
+    """
+    # Per-group maxima by a scatter-max: rows in no group are dropped, empty groups get
+    # -inf (the bound in _factor makes them finite), NaN propagates as in lax.max.
+    amax = jax.ops.segment_max(lax.abs(lax.convert_element_type(x, _F32)), ids, num_groups,
+                               indices_are_sorted=True)
+    inv = _factor(amax, dtype, power_of_two)
+    rows = jnp.take(inv, ids, axis=0, mode="fill", fill_value=0)
+    q = lax.convert_element_type(lax.mul(lax.convert_element_type(x, _F32), rows),
+                                 np.dtype(dtype))
     return q, lax.div(np.float32(1), inv)
 
 

@@ -8,7 +8,8 @@ straight into a ``dot_general`` of float8 operands that accumulates in
 float32; the result is rescaled and returned in float32, as the matmul class
 returns it. Its derivative is a ``custom_vjp`` whose two backward products
 also take float8 operands: the incoming gradient in ``recipe.bwd_dtype``, the
-saved forward operand in its forward format.
+saved forward operand in its forward format. An eligible mixture-of-experts
+``ragged_dot_general`` becomes `float8_ragged_product`, built the same way.
 
 >>> import jax, jax.numpy as jnp, jmp_policy
 >>> f = jmp_policy.autocast(lambda x, w: x @ w, "mixed_bfloat16", fp8="tensorwise")
@@ -28,7 +29,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import JaxprEqn
 
-from jmp_policy.autocast._fp8 import Float8Recipe, eligible, operand_dtypes, quantize
+from jmp_policy.autocast._fp8 import (
+    RAGGED,
+    Float8Recipe,
+    eligible,
+    group_ids,
+    operand_dtypes,
+    quantize,
+    quantize_groups,
+)
 from jmp_policy.autocast._interpreter import Context, MatmulRule, bind
 from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, join
 from jmp_policy.autocast._matmul import matmul
@@ -52,6 +61,8 @@ def float8_matmul(recipe: Float8Recipe) -> MatmulRule:
             return matmul(ctx, eqn, invals)
         ctx.tally(FLOAT8_PRODUCTS)
         formats = operand_dtypes(recipe, ctx.scope)
+        if eqn.primitive.name == RAGGED:
+            return float8_ragged_product(eqn, recipe, formats, ctx.compute, *invals)
         return float8_product(eqn, recipe, formats, ctx.compute, *invals)
 
     return rule
@@ -226,3 +237,140 @@ def float8_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DType, DT
     custom = jax.custom_vjp(product)
     custom.defvjp(product_fwd, product_bwd)
     return custom(lhs, rhs)
+
+
+# --- Ragged products (mixture of experts) --------------------------------------------------
+
+def _ragged_dims(contract: tuple[int, int], lhs_ragged: bool, rhs_grouped: bool) -> Any:
+    """Dimension numbers of a ragged product contracting ``contract`` of (lhs, rhs), no batch."""
+    return lax.RaggedDotDimensionNumbers(  # type: ignore[no-untyped-call]
+        (((contract[0],), (contract[1],)), ((), ())),
+        lhs_ragged_dimensions=(0,) if lhs_ragged else (),
+        rhs_group_dimensions=(0,) if rhs_grouped else ())
+
+
+_WEIGHT_GRADIENT = _ragged_dims((0, 0), True, False)
+"""``[m, k] x [m, n] -> [g, k, n]``: per group, the sum over its rows (ragged contracting)."""
+
+
+def _in_groups(x: Any, sizes: jax.Array) -> Any:
+    """``x`` with its rows past ``sum(sizes)`` set to zero.
+
+    Those rows take no part in a ragged product (their output and gradient
+    are zero), so they must not count in its scales either: a large or
+    non-finite value there would spoil, or make NaN, a tensorwise product.
+    """
+    rows = lax.broadcasted_iota(sizes.dtype, jnp.shape(x), 0)
+    return jnp.where(rows < jnp.sum(sizes), x, jnp.zeros((), dtype_of(x)))
+
+
+def _rescaled_rows(out: jax.Array, row_scale: jax.Array, group_scale: jax.Array,
+                   sizes: jax.Array) -> jax.Array:
+    """``out`` ``[m, n]``, a float32 ragged product of float8 operands, rescaled.
+
+    ``row_scale`` is lhs's, one per row (``[m, 1]``) or one in all (``[1, 1]``);
+    ``group_scale`` rhs's, one per group and output column (``[g, n]``) or one
+    in all. Row ``i`` takes the scales of its group's columns; rows in no group
+    take 0 (their product is zero, and must stay so next to an inf scale).
+    """
+    if group_scale.shape[0] == sizes.shape[0]:  # per group (or a single group)
+        ids = group_ids(sizes, out.shape[0])
+        group_scale = jnp.take(group_scale, ids, axis=0, mode="fill", fill_value=0)
+    return lax.mul(lax.mul(out, lax.broadcast_in_dim(row_scale, out.shape, (0, 1))),
+                   lax.broadcast_in_dim(group_scale, out.shape, (0, 1)))
+
+
+def float8_ragged_dot(a: Quantized, b: Quantized, sizes: Any, dims: Any) -> jax.Array:
+    """``ragged_dot_general(a, b, sizes, dims)`` of quantized operands, float32
+    accumulation, rescaled: lhs ``[m, *]`` ragged along its rows, scaled per row
+    (or in all), rhs ``[g, *, *]`` scaled per group and non-contracting column
+    (or in all), as `quantize` scales them along their contracting axes."""
+    (_, (rhs_contract,)), _ = dims.dot_dimension_numbers
+    out = lax.ragged_dot_general(a[0], b[0], sizes, dims, preferred_element_type=F32)
+    return _rescaled_rows(out, a[1], lax.squeeze(b[1], (rhs_contract,)), sizes)
+
+
+def _rescaled_groups(out: jax.Array, lhs_scale: jax.Array, rhs_scale: jax.Array) -> jax.Array:
+    """``out`` ``[g, k, n]``, a float32 weight gradient of float8 operands, times the
+    operands' scales: one per (group, k) and per (group, n), or one each (``[1, 1]``)."""
+    return lax.mul(lax.mul(out, lax.broadcast_in_dim(lhs_scale, out.shape, (0, 1))),
+                   lax.broadcast_in_dim(rhs_scale, out.shape, (0, 2)))
+
+
+def float8_ragged_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DType, DType],
+                          compute: DType, lhs: Any, rhs: Any, sizes: Any) -> Any:
+    """``eqn``'s ``ragged_dot_general`` of ``lhs`` ``[m, k]`` and ``rhs`` ``[g, k, n]`` (or
+    ``[g, n, k]``) with group ``sizes`` ``[g]``, on float8 operands.
+
+    As `float8_product`, for the layout of ``lax.ragged_dot``
+    (``_fp8.is_plain_ragged``). Rowwise scaling gives each operand of the
+    three products one scale per row along its non-contracting axes, a group
+    counting as a row: forward, lhs per row and rhs per (group, output
+    column); for lhs's gradient ``g @ rhs^T``, the incoming gradient ``g``
+    per row and rhs per (group, k); for rhs's gradient, the sum over each
+    group's rows of ``lhs^T @ g`` (a ragged product contracting the ragged
+    rows), lhs per (group, k) and ``g`` per (group, n). Rows past
+    ``sum(sizes)`` give zeros, as in JAX's product. ``sizes`` has no gradient.
+    """
+    rhs_k = eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers[0][1][0]
+    rhs_n = 3 - rhs_k  # rhs is [g, k, n] or [g, n, k]
+    acc, lhs_dtype, rhs_dtype = join(compute, F32), dtype_of(lhs), dtype_of(rhs)
+    fwd_params = dict(eqn.params, precision=None, preferred_element_type=F32)
+    lhs_gradient = _ragged_dims((1, rhs_n), True, True)  # [m, n] x rhs -> [m, k]
+    lhs_format, rhs_format = formats
+    tensorwise = recipe.scaling == "tensorwise"
+
+    def q(x: Any, dtype: DType, contract: int) -> Quantized:
+        return quantize(x, dtype, recipe.scaling, (contract,),
+                        power_of_two=recipe.power_of_two_scales)
+
+    def q_groups(x: Any, dtype: DType, sizes: jax.Array) -> Quantized:
+        ids = group_ids(sizes, jnp.shape(x)[0])
+        return quantize_groups(x, dtype, ids, jnp.shape(sizes)[0],
+                               power_of_two=recipe.power_of_two_scales)
+
+    def forward(a: Any, b: Any, sizes: Any) -> tuple[Any, Any, Quantized, Quantized]:
+        a = _in_groups(a, sizes)
+        qa, qb = q(a, lhs_format, 1), q(b, rhs_format, rhs_k)
+        out = bind(eqn, (qa[0], qb[0], sizes), fwd_params)  # float8, float32 accumulation
+        out = _rescaled_rows(out, qa[1], lax.squeeze(qb[1], (rhs_k,)), sizes)
+        return convert(out, acc), a, qa, qb
+
+    def product(a: Any, b: Any, sizes: Any) -> Any:
+        return forward(a, b, sizes)[0]
+
+    def product_fwd(a: Any, b: Any, sizes: Any) -> tuple[Any, tuple[Residual, Quantized, Any]]:
+        out, a, qa, qb = forward(a, b, sizes)
+        # As in float8_product: tensorwise operands serve the backward products as they
+        # are; rowwise ones are re-quantized along the other axes.
+        if not recipe.float8_weight_gradient:
+            a_res: Residual = a
+        else:
+            a_res = qa if tensorwise else q_groups(a, lhs_format, sizes)
+        b_res = qb if tensorwise else q(b, rhs_format, rhs_n)
+        return out, (a_res, b_res, sizes)
+
+    def product_bwd(res: tuple[Residual, Quantized, Any], g: Any) -> tuple[Any, Any, None]:
+        a_res, b_res, sizes = res
+        g = _in_groups(g, sizes)
+        g_rows = q(g, recipe.bwd_dtype, 1)
+        grad_lhs = float8_ragged_dot(g_rows, b_res, sizes, lhs_gradient)
+        if isinstance(a_res, tuple):
+            g_groups = g_rows if tensorwise else q_groups(g, recipe.bwd_dtype, sizes)
+            grad_rhs = _rescaled_groups(
+                lax.ragged_dot_general(a_res[0], g_groups[0], sizes, _WEIGHT_GRADIENT,
+                                       preferred_element_type=F32),
+                a_res[1], g_groups[1])
+        else:
+            # As the matmul class's backward products: compute-dtype operands and result.
+            grad_rhs = lax.ragged_dot_general(convert(a_res, compute), convert(g, compute), sizes,
+                                              _WEIGHT_GRADIENT, preferred_element_type=compute)
+        if rhs_k == 2:
+            grad_rhs = lax.transpose(grad_rhs, (0, 2, 1))
+        # The group sizes are integers: no cotangent.
+        return convert(grad_lhs, lhs_dtype), convert(grad_rhs, rhs_dtype), None
+
+    product.__name__ = f"float8_{eqn.primitive.name}"
+    custom = jax.custom_vjp(product)
+    custom.defvjp(product_fwd, product_bwd)
+    return custom(lhs, rhs, sizes)
