@@ -346,7 +346,7 @@ def _factor(amax: jax.Array, dtype: Any, power_of_two: bool) -> jax.Array:
     # and a factor far below float32's largest value stays finite when XLA folds it
     # with the constants around it ((g / keep_prob) * factor becomes g * (factor /
     # keep_prob) under jit). lax.max keeps NaN; inf gives a factor of 0.
-    factor = lax.div(top, amax)
+    factor = lax.div(top, lax.max(amax, np.float32(top / MAX_FACTOR)))
     return _floor_power_of_two(factor) if power_of_two else factor
 
 
