@@ -1,8 +1,8 @@
 """Per-operation mixed precision for any JAX function, in the spirit of ``torch.autocast``.
 
-``autocast(fn, policy)`` traces ``fn`` to a jaxpr (once per call signature) and
-evaluates that jaxpr primitive by primitive, choosing each primitive's
-precision from three classes:
+``autocast(fn, policy)`` is a JAX transformation: on every call (once per trace
+under an outer ``jit``) it traces ``fn`` to a jaxpr and evaluates that jaxpr
+primitive by primitive, choosing each primitive's precision from three classes:
 
 ``"matmul"``
     ``dot_general``, ``conv_general_dilated``, ``ragged_dot_general``. Floating
@@ -17,11 +17,12 @@ precision from three classes:
     typed Python scalars do not widen), so nothing is ever silently narrowed.
 
 A float32 value, once produced, stays float32 for the operations that follow;
-it is narrowed only where it feeds matrix work or becomes a floating output
-of ``fn`` (cast to the policy's output dtype). Narrowing means fewer bits of
-mantissa or exponent: float16 <-> bfloat16 is a narrowing too. Integer, boolean
-and PRNG values are never touched. Floating casts written in ``fn`` are kept
-only where they widen.
+it is narrowed only where it feeds matrix work. Narrowing means fewer bits of
+mantissa or exponent: float16 <-> bfloat16 is a narrowing too. Casts written
+in ``fn`` are made as written. Integer, boolean and PRNG values are never
+touched. An output of ``fn`` made by matrix work is returned in the policy's
+output dtype; any other (a loss, normalization statistics, an argument passed
+through) in the dtype it was computed in (see ``_outputs``).
 
 Higher-order primitives are rewritten, not inlined, so they keep their own
 semantics: a nested ``jit`` keeps its shardings and name, ``custom_jvp`` /
@@ -31,8 +32,8 @@ dtypes, ``checkpoint`` keeps its policy, ``shard_map`` bodies are autocast
 with their collectives.
 
 With ``fp8=`` (a scaling name or a `Float8Recipe`), the eligible
-``dot_general`` products, forward and backward, run on float8 operands with
-current scaling instead (see ``_fp8``).
+``dot_general`` and ``ragged_dot_general`` products, forward and backward, run
+on float8 operands with current scaling instead (see ``_fp8``).
 
 A primitive that autocast does not know, and that has floating inputs, is
 evaluated at the dtypes it was traced with, with one `AutocastWarning` per
@@ -42,14 +43,16 @@ trace naming it.
 >>> from jmp_policy.autocast import FLOAT32_PRIMITIVES
 >>> "exp" in FLOAT32_PRIMITIVES
 True
->>> jmp_policy.autocast(jnp.exp, "mixed_float16")(jnp.ones(2)).dtype
-dtype('float16')
+>>> f = jmp_policy.autocast(lambda w, x: jnp.exp(x @ w), "mixed_float16")
+>>> f(jnp.ones((2, 2)), jnp.ones((2, 2))).dtype   # exp: float32 class, returned float32
+dtype('float32')
 
 Layout: ``_rules`` (classes and the ``rules=`` argument), ``_lattice`` (how
 dtypes order), ``_interpreter`` (evaluation and the handler registry),
 ``_matmul`` (the matmul class), ``_fp8`` (float8 recipes and quantization),
 ``_fp8_matmul`` (the float8 matmul rule), ``_higher_order`` (one handler per
-higher-order primitive), ``_api`` (`autocast` itself).
+higher-order primitive), ``_modules`` (NNX state and module paths),
+``_outputs`` (the dtypes of ``fn``'s outputs), ``_api`` (`autocast` itself).
 """
 
 from jmp_policy.autocast import _higher_order  # noqa: F401  (registers the handlers)

@@ -254,9 +254,9 @@ def _evaluate(closed: ClosedJaxpr, settings: _Settings, values: Sequence[Any]) -
     if settings.recipe is not None and not ctx.tallied(FLOAT8_PRODUCTS):
         warnings.warn(
             f"autocast(..., fp8=...) changes nothing in {settings.name}: none of its matrix "
-            "products is eligible for float8 (only dot_general products are: convolutions "
-            "stay in the compute dtype; products smaller than the recipe's min_size or in "
-            "a scope it excludes, such as a model's output layer, do too).",
+            "products is eligible for float8 (dot_general and ragged_dot products are: "
+            "convolutions stay in the compute dtype; products smaller than the recipe's "
+            "min_size or in a scope it excludes, such as a model's output layer, do too).",
             AutocastWarning, stacklevel=3)
     return outs
 

@@ -21,6 +21,7 @@ saved forward operand in its forward format. An eligible mixture-of-experts
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Sequence, Union
 
@@ -50,6 +51,7 @@ FLOAT8_PRODUCTS = "float8 products"
 """What `float8_matmul` tallies in the `Context`: one per product it runs in float8."""
 
 
+@functools.lru_cache(maxsize=None)  # one rule per recipe: rewrites are reused by rule
 def float8_matmul(recipe: Float8Recipe) -> MatmulRule:
     """The ``Context.matmul`` rule running the products ``recipe`` selects in float8.
 

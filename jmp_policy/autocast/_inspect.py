@@ -60,8 +60,8 @@ from jmp_policy._dtypes import is_floating_dtype
 from jmp_policy.autocast._bits import (
     I32, INF_BITS, as_float, below, finite_mask, magnitude_bits, positive, where_bits)
 from jmp_policy.autocast._fp8 import (
-    Float8Recipe, contracting_axes, eligible, operand_dtypes, quantization_counts, quantize)
-from jmp_policy.autocast._fp8_matmul import Quantized, float8_dot
+    RAGGED, Float8Recipe, contracting_axes, eligible, operand_dtypes, quantization_counts, quantize)
+from jmp_policy.autocast._fp8_matmul import Quantized, float8_dot, float8_ragged_dot
 from jmp_policy.autocast._higher_order import _scan_sizes, _stable_carry
 from jmp_policy.autocast._interpreter import (
     Context, Params, _Casts, eval_equation, eval_jaxpr, higher_order_names)
@@ -692,6 +692,9 @@ def _probe(ctx: Context, eqn: JaxprEqn, inputs: list[Any], lows: list[Any], prod
     not hide (or repeat) one here. A float8 product is computed as autocast's float8
     rule computes it, from the operands ``quantized`` once for it and its counts.
     """
+    if quantized is not None and eqn.primitive.name == RAGGED:
+        return [float8_ragged_dot(quantized[0], quantized[1], inputs[2],
+                                  Params(eqn)["ragged_dot_dimension_numbers"])]
     if quantized is not None:
         return [float8_dot(quantized[0], quantized[1], Params(eqn)["dimension_numbers"])]
     if product:

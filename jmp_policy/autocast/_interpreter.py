@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -306,20 +307,105 @@ def autocast_jaxpr(ctx: Context, closed: ClosedJaxpr, in_dtypes: Sequence[Any],
 
     Where ``out_dtypes`` has a dtype (not ``None``), that floating output is
     cast to it: loops and branches use this to give their outputs agreed types.
+
+    Rewrites are kept for the trace, and across traces for jaxprs that JAX
+    itself keeps (``jnp.where``, ``jnp.clip`` and other library ``jit``\ s):
+    re-binding a ``jit`` with the same rewritten jaxpr reuses its compiled
+    executable, which an eager call would otherwise compile again each time.
     """
-    key = (id(closed), tuple(in_dtypes), None if out_dtypes is None else tuple(out_dtypes),
-           ctx.pinned, ctx.scope if ctx.rules.float32_scopes else None)
-    hit = ctx._state.jaxprs.get(key)
+    key = (tuple(in_dtypes), None if out_dtypes is None else tuple(out_dtypes), ctx.pinned,
+           ctx.scope if ctx.rules.float32_scopes else None)
+    hit = ctx._state.jaxprs.get((id(closed), *key))
     if hit is not None and hit[0] is closed:  # the entry holds `closed`, so its id is not reused
         return hit[1]
-    structs = [retyped(a, d) for a, d in zip(closed.in_avals, in_dtypes)]
+    rewrite = _REWRITES.get(ctx, closed, key)
+    if rewrite is not None:
+        rewrite.replay(ctx)
+    else:
+        rewrite = _Rewrite.of(ctx, closed, in_dtypes, out_dtypes)
+        _REWRITES.put(ctx, closed, key, rewrite)
+    ctx._state.jaxprs[(id(closed), *key)] = (closed, rewrite.jaxpr)
+    return rewrite.jaxpr
 
-    def body(*args: Any) -> list[Any]:
-        outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, args)
-        if out_dtypes is None:
-            return outs
-        return [o if d is None else convert(o, d) for o, d in zip(outs, out_dtypes)]
 
-    result: ClosedJaxpr = jax.make_jaxpr(body)(*structs)
-    ctx._state.jaxprs[key] = (closed, result)
-    return result
+@dataclasses.dataclass(frozen=True)
+class _Rewrite:
+    """A rewritten jaxpr and what rewriting it told the trace (to tell a later trace too)."""
+
+    jaxpr: ClosedJaxpr
+    paths: frozenset[str]
+    tallies: tuple[tuple[str, int], ...]
+    unknown: tuple[str, ...]
+
+    @classmethod
+    def of(cls, ctx: Context, closed: ClosedJaxpr, in_dtypes: Sequence[Any],
+           out_dtypes: Optional[Sequence[Any]]) -> _Rewrite:
+        state = ctx._state
+        paths, tallies, warned = set(state.paths), dict(state.tallies), set(state.warned)
+        structs = [retyped(a, d) for a, d in zip(closed.in_avals, in_dtypes)]
+
+        def body(*args: Any) -> list[Any]:
+            outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, args)
+            if out_dtypes is None:
+                return outs
+            return [o if d is None else convert(o, d) for o, d in zip(outs, out_dtypes)]
+
+        jaxpr: ClosedJaxpr = jax.make_jaxpr(body)(*structs)
+        return cls(jaxpr, frozenset(state.paths - paths),
+                   tuple((k, v - tallies.get(k, 0)) for k, v in state.tallies.items()
+                         if v != tallies.get(k, 0)),
+                   tuple(sorted(state.warned - warned)))
+
+    def replay(self, ctx: Context) -> None:
+        """Records in ``ctx``'s trace what rewriting recorded in the trace that rewrote it."""
+        state = ctx._state
+        state.paths |= self.paths
+        for what, n in self.tallies:
+            state.tallies[what] = state.tallies.get(what, 0) + n
+        for name in self.unknown:
+            _warn_unknown(ctx, name)
+
+
+class _RewriteCache:
+    """Rewrites of jaxprs that outlive a trace, per jaxpr object, while JAX keeps it.
+
+    Only jaxprs that hold no traced value are kept, and only for contexts
+    without an observer (which must see every evaluation). An entry is keyed by
+    the context's compute dtype, rules and matmul rule (each `autocast` holds
+    its own; the entry references them, so that a match by id is a match) and
+    the rewrite's dtypes and scope.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[Any, dict[tuple[Any, ...], tuple[Any, Any, _Rewrite]]]] = {}
+
+    def get(self, ctx: Context, closed: ClosedJaxpr, key: tuple[Any, ...]) -> Optional[_Rewrite]:
+        entry = self._entries.get(id(closed))
+        if ctx.observe is not None or entry is None or entry[0]() is not closed:
+            return None
+        found = entry[1].get((ctx.compute, id(ctx.rules), id(ctx.matmul), *key))
+        if found is None or found[0] is not ctx.rules or found[1] is not ctx.matmul:
+            return None
+        return found[2]
+
+    def put(self, ctx: Context, closed: ClosedJaxpr, key: tuple[Any, ...],
+            rewrite: _Rewrite) -> None:
+        if ctx.observe is not None or _holds_tracer(closed) or _holds_tracer(rewrite.jaxpr):
+            return
+        entry = self._entries.get(id(closed))
+        if entry is None or entry[0]() is not closed:
+            key_id = id(closed)
+
+            def forget(_: Any) -> None:
+                self._entries.pop(key_id, None)
+
+            entry = self._entries[key_id] = (weakref.ref(closed, forget), {})
+        entry[1][(ctx.compute, id(ctx.rules), id(ctx.matmul), *key)] = (
+            ctx.rules, ctx.matmul, rewrite)
+
+
+def _holds_tracer(closed: ClosedJaxpr) -> bool:
+    return any(isinstance(c, jax.core.Tracer) for c in closed.consts)
+
+
+_REWRITES = _RewriteCache()
