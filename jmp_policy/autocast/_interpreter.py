@@ -309,7 +309,7 @@ def autocast_jaxpr(ctx: Context, closed: ClosedJaxpr, in_dtypes: Sequence[Any],
     cast to it: loops and branches use this to give their outputs agreed types.
 
     Rewrites are kept for the trace, and across traces for jaxprs that JAX
-    itself keeps (``jnp.where``, ``jnp.clip`` and other library ``jit``\ s):
+    itself keeps (``jnp.where``, ``jnp.clip``: the jitted functions of libraries):
     re-binding a ``jit`` with the same rewritten jaxpr reuses its compiled
     executable, which an eager call would otherwise compile again each time.
     """
