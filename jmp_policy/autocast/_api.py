@@ -230,7 +230,8 @@ class _Call:
                               else convert(value, aval.dtype))
         if self.nnx is not None:
             state = jax.tree_util.tree_unflatten(self.state_treedef, everything[n_out:])
-            _modules.write_back([self.leaves[i] for i in self.nnx.positions], state)
+            _modules.write_back([self.leaves[i] for i in self.nnx.positions], self.nnx.state,
+                                state)
         return jax.tree_util.tree_unflatten(self.out_tree, everything[:n_out])
 
 

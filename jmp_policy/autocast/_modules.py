@@ -119,9 +119,24 @@ def nnx_state(objects: tuple[Any, ...]) -> Any:
     return _nnx().split(objects)[1]
 
 
-def write_back(originals: Sequence[Any], state: Any) -> None:
-    """Writes ``state`` (from `nnx_state` after the call) into the caller's NNX objects."""
-    _nnx().update(tuple(originals), state)
+def write_back(originals: Sequence[Any], before: Any, after: Any) -> None:
+    """Writes the variables of ``after`` (`nnx_state` after the call) that differ from
+    ``before`` (the state the call started from) into the caller's NNX objects.
+
+    Only what changed is written, so that a call under an outer transformation
+    (``jax.jit``) that writes nothing touches no variable of an outer trace
+    level, which NNX refuses.
+    """
+    nnx = _nnx()
+    old = dict(nnx.to_flat_state(before))
+    changed = [(path, var) for path, var in nnx.to_flat_state(after)
+               if path not in old or _value(var) is not _value(old[path])]
+    if changed:
+        nnx.update(tuple(originals), nnx.from_flat_state(changed))
+
+
+def _value(variable: Any) -> Any:
+    return variable.get_value() if hasattr(variable, "get_value") else variable
 
 
 # --- Module paths --------------------------------------------------------------------------
