@@ -128,7 +128,10 @@ def test_page_blocks_run(page):
     try:
         for b in (b for b in TO_RUN if b.page == page):
             # Padding with newlines makes tracebacks point at the page's own lines.
-            code = compile("\n" * (b.line - 1) + b.code, str(b.page.relative_to(ROOT)), "exec")
+            # dont_inherit: the page's code is not compiled with this module's
+            # `from __future__ import annotations` (dataclass fields need real types).
+            code = compile("\n" * (b.line - 1) + b.code, str(b.page.relative_to(ROOT)), "exec",
+                           dont_inherit=True)
             with warnings.catch_warnings():
                 warnings.simplefilter("error", jmp_policy.UnmatchedRuleWarning)
                 warnings.simplefilter("error", jmp_policy.AutocastWarning)
