@@ -16,6 +16,8 @@ nnx_bn_mlp     nnx        an MLP with ``nnx.BatchNorm`` (running statistics)
 eqx_vit        equinox    ViT (Dosovitskiy et al.): patches, class token, MHA
 =============  =========  ======================================================
 
+Sizes are small (two blocks, widths of 32) to keep the suite's compiles short.
+
 Each entry of `MODELS` is a `RealModel`; `train` runs jitted optax steps on
 one fixed batch with any function that has the model's ``loss`` signature.
 """

@@ -39,6 +39,9 @@ def _load(name):
     ("transformer_lm.py", "lm.png", "test_bits_per_byte",
      ["--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4"]),
     ("nnx_mlp.py", "nnx_mlp.png", "test_accuracy", []),
+    pytest.param("equinox_vit.py", "equinox_vit.png", "test_accuracy", [],
+                 marks=pytest.mark.skipif(importlib.util.find_spec("equinox") is None,
+                                          reason="needs equinox")),
 ])
 def test_example_runs_and_writes_table_json_and_plot(script, plot, metric, extra, tmp_path,
                                                      monkeypatch, capsys):

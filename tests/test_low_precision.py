@@ -76,7 +76,7 @@ def _high_half(x):
 
 
 def test_split_reproduces_float32_master_training_bit_for_bit(xla_cpu):
-    """200 steps of the digits CNN: split's rebuilt float32 weights equal float32 master weights.
+    """100 steps of the digits CNN: split's rebuilt float32 weights equal float32 master weights.
 
     The reference keeps float32 weights and float32 AdamW and runs the model
     (bfloat16 compute) on the weights' high halves, the weights "split" hands
@@ -99,7 +99,7 @@ def test_split_reproduces_float32_master_training_bit_for_bit(xla_cpu):
     params = jax.tree.map(lambda s: jnp.asarray(
         rng.normal(0, np.prod(s.shape[:-1]) ** -0.5 if len(s.shape) > 1 else 0.01, s.shape), BF16),
         shapes)
-    batches = np.random.RandomState(0).randint(0, len(x_train), (200, 32))
+    batches = np.random.RandomState(0).randint(0, len(x_train), (100, 32))
     xs, ys = jnp.asarray(x_train[batches]), jnp.asarray(y_train[batches])
 
     def loss(params, x, y):

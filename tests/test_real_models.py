@@ -1,12 +1,12 @@
-"""The real-model zoo (tests/real_models.py) in plain float32: each model trains.
+"""The real-model zoo (tests/real_models.py) in plain float32: what the models are.
 
-These are the baselines that the library's transformations are later held to:
-every model learns its fixed batch, its loss and gradients are finite with the
-padding it carries, BatchNorm statistics move only in train mode, and the
+These are the baselines that the library's transformations are held to (in
+tests/test_real_models_autocast.py, where every model also trains in float16):
+language models carry padding and tied heads, BatchNorm statistics move only
+in train mode, and the
 Equinox model's ``int`` fields survive ``eqx.filter_jit``.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,74 +22,14 @@ from real_models import MODELS, train_with_state  # noqa: E402
 
 NAMES = list(MODELS)
 LM_NAMES = ["linen_lm", "nnx_decoder"]
-WITH_DROPOUT = ["linen_lm", "nnx_decoder", "nnx_bn_mlp", "eqx_vit"]
 
 
-def _all_finite(tree) -> bool:
-    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree)
-               if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact))
-
-
-def _jitted_value_and_grad(model, train: bool):
-    """``model.value_and_grad(model.loss)`` under the framework's jit, ``train`` fixed."""
-    g = model.value_and_grad(model.loss)
-    if model.framework == "linen":
-        return jax.jit(lambda p, rest, batch, key: g(p, rest, batch, key, train))
-    if model.framework == "nnx":
-        return nnx.jit(lambda m, batch: g(m, batch, train))
-    return eqx.filter_jit(lambda m, batch, key: g(m, batch, key, train))
-
-
-def _call(model, fn, state, batch, key):
-    if model.framework == "linen":
-        rest = {k: v for k, v in state.items() if k != "params"}
-        return fn(state["params"], rest, batch, key)
-    if model.framework == "nnx":
-        return fn(state, batch)  # dropout draws from the module's own Rngs
-    return fn(state, batch, key)
-
-
-@functools.cache
-def _trained(name):
-    """30 jitted train-mode steps (dropout on) on the model's fixed batch: (losses, final state).
-
-    The loss goes in wrapped, as a transformed loss will: ``value_and_grad``
-    takes any function with the loss's signature.
-    """
-    loss = MODELS[name].loss
-
-    def wrapped(*args):
-        return loss(*args)
-
-    return train_with_state(MODELS[name], wrapped, steps=30)  # optax.adam(3e-3)
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_trains_on_a_fixed_batch(name):
-    losses, _ = _trained(name)
-    assert np.all(np.isfinite(losses))
-    # Measured final/initial ratios, seeds 0 to 3: 0.03 to 0.43 (linen_resnet the highest).
-    assert losses[-1] < 0.7 * losses[0], losses
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_loss_and_grads_are_finite_under_jit(name):
-    model = MODELS[name]
-    state, batch = model.init(jax.random.key(0)), model.batch(jax.random.key(1))
-    if name in LM_NAMES:  # rows of different lengths, the last one all padding
-        lengths = np.sum(np.asarray(batch["tokens"]) != 0, axis=1)
-        assert lengths[-1] == 0 and len(set(lengths.tolist())) == len(lengths), lengths
-    fn = _jitted_value_and_grad(model, train=True)
-    (loss1, aux), grads = _call(model, fn, state, batch, jax.random.key(2))
-    (loss2, _), _ = _call(model, fn, state, batch, jax.random.key(3))
-    assert loss1.shape == () and _all_finite((loss1, aux, grads))
-    if name in WITH_DROPOUT:  # train=True draws new dropout masks
-        assert loss1 != loss2
-    if model.framework == "nnx":
-        assert isinstance(grads, nnx.State)
-        assert jax.tree.structure(grads) == jax.tree.structure(nnx.state(state, nnx.Param))
-    if name == "nnx_decoder":
-        assert "q_proj" in grads["blocks"][0]["attn"]
+@pytest.mark.parametrize("name", LM_NAMES)
+def test_language_model_batches_are_padded_to_different_lengths(name):
+    # Loss and gradients are compared with autocast's, finite, in test_real_models_autocast.
+    batch = MODELS[name].batch(jax.random.key(1))
+    lengths = np.sum(np.asarray(batch["tokens"]) != 0, axis=1)
+    assert lengths[-1] == 0 and len(set(lengths.tolist())) == len(lengths), lengths
 
 
 def test_language_model_heads_are_tied_to_their_embeddings():
@@ -140,8 +80,8 @@ def test_eqx_vit_trains_under_filter_jit_with_its_int_fields_intact():
     ints = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(fresh)
             if type(x) is int}
     assert ints == {".patch_size": 4, ".width": 32}
-    losses, trained = _trained("eqx_vit")  # steps under eqx.filter_jit
-    assert losses[-1] < 0.7 * losses[0]
+    losses, trained = train_with_state(model, steps=5)  # steps under eqx.filter_jit
+    assert losses[-1] < losses[0]
     assert type(trained.patch_size) is int and trained.patch_size == 4
     assert type(trained.width) is int and trained.width == 32
     assert eqx.tree_equal(trained.head.weight.shape, fresh.head.weight.shape)

@@ -4,8 +4,10 @@ For every model of the zoo, under ``jit`` and with dropout and padding on:
 ``autocast`` in ``mixed_bfloat16`` and ``mixed_float16`` gives the float32
 loss and gradients to a half-precision tolerance, float8 (tensorwise and
 rowwise) gives finite gradients and a close loss, a few loss-scaled float16
-train steps skip no step, and no warning is raised. The float32 loss of each
-model is computed once (a module-scoped cache).
+train steps skip no step, and no warning is raised. Each model's variants run
+in one compiled program (compiling dominates this file's time). The
+convolutional ResNet has no float8-eligible product: autocast warns there
+(tests/test_autocast_transformation.py).
 """
 
 import functools
@@ -26,28 +28,43 @@ eqx = pytest.importorskip("equinox")
 pytestmark = pytest.mark.filterwarnings("error")  # no AutocastWarning, no unmatched rule
 
 NAMES = sorted(rm.MODELS)
-FRAMEWORK_JIT = {"linen": functools.partial(jax.jit, static_argnums=4),
-                 "nnx": functools.partial(nnx.jit, static_argnums=2),
-                 "equinox": eqx.filter_jit}
+HALF = {"mixed_bfloat16": 3e-2, "mixed_float16": 1e-2}  # loss tolerance; 5x for gradients
+FLOAT8 = ("tensorwise", "rowwise")
 
 
-def evaluate(model, loss_fn, seed=0):
-    """Jitted ``((loss, aux), grads)`` of ``loss_fn`` on the model's batch, train mode."""
-    k_init, k_batch, k_drop = jax.random.split(jax.random.key(seed), 3)
-    state, batch = model.init(k_init), model.batch(k_batch)
-    g = FRAMEWORK_JIT[model.framework](model.value_and_grad(loss_fn))
-    if model.framework == "linen":
-        params = state["params"]
-        rest = {k: v for k, v in state.items() if k != "params"}
-        return g(params, rest, batch, k_drop, True)
-    if model.framework == "nnx":
-        return g(state, batch, True)  # dropout from the module's own Rngs, same seed each time
-    return g(state, batch, k_drop, True)
+def variants(model):
+    """The loss under every precision tested, by name: float32 first (the reference)."""
+    losses = {"float32": model.loss}
+    losses.update({p: jmp_policy.autocast(model.loss, p) for p in HALF})
+    if model.name != "linen_resnet":  # convolutions: fp8 changes nothing (and warns, below)
+        losses.update({s: jmp_policy.autocast(model.loss, "mixed_bfloat16", fp8=s)
+                       for s in FLOAT8})
+    return losses
 
 
 @functools.cache
-def float32_run(name):
-    return evaluate(rm.MODELS[name], rm.MODELS[name].loss)
+def evaluate_all(name):
+    """``((loss, aux), grads)`` of every variant, train mode, one jitted program per model.
+
+    Every variant sees the same dropout masks: linen and Equinox from the same
+    key, NNX from a fresh module merged from the same state (its own Rngs).
+    """
+    model = rm.MODELS[name]
+    k_init, k_batch, k_drop = jax.random.split(jax.random.key(0), 3)
+    state, batch = model.init(k_init), model.batch(k_batch)
+    grads = {k: model.value_and_grad(f) for k, f in variants(model).items()}
+    if model.framework == "linen":
+        params, rest = state["params"], {k: v for k, v in state.items() if k != "params"}
+        program = jax.jit(lambda p, r, b, k: {n: g(p, r, b, k, True) for n, g in grads.items()})
+        return program(params, rest, batch, k_drop)
+    if model.framework == "nnx":
+        graphdef, nnx_state = nnx.split(state)
+        # copy=True: each variant's module gets its own variables (RNG counters included).
+        program = jax.jit(lambda st, b: {n: g(nnx.merge(graphdef, st, copy=True), b, True)
+                                         for n, g in grads.items()})
+        return program(nnx_state, batch)
+    program = eqx.filter_jit(lambda m, b, k: {n: g(m, b, k, True) for n, g in grads.items()})
+    return program(state, batch, k_drop)
 
 
 def float_leaves(tree):
@@ -62,53 +79,38 @@ def relative_error(got, want):
     return num / np.sqrt(sum(np.sum(b ** 2) for b in want))
 
 
-@pytest.mark.parametrize("policy,tol", [("mixed_bfloat16", 3e-2), ("mixed_float16", 1e-2)])
 @pytest.mark.parametrize("name", NAMES)
-def test_half_precision_loss_and_gradients_match_float32(name, policy, tol):
-    model = rm.MODELS[name]
-    (loss, aux), grads = evaluate(model, jmp_policy.autocast(model.loss, policy))
-    (want, want_aux), want_grads = float32_run(name)
-    assert loss.dtype == jnp.float32  # a loss is never narrowed: float32 class
-    assert abs(float(loss) - float(want)) <= tol * abs(float(want))
-    assert relative_error(grads, want_grads) <= 5 * tol
-    for got, ref in zip(jax.tree.leaves(aux), jax.tree.leaves(want_aux)):
-        assert got.dtype == ref.dtype  # BatchNorm statistics stay float32
-
-
-@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
-@pytest.mark.parametrize("name", NAMES)
-def test_float8_gradients_are_finite_with_padding_and_dropout(name, scaling):
-    model = rm.MODELS[name]
-    if name in ("linen_resnet",):  # convolutions only: autocast says fp8 changes nothing
-        with pytest.warns(jmp_policy.AutocastWarning, match="none of its matrix products"):
-            jmp_policy.autocast(model.loss, "mixed_bfloat16", fp8=scaling)(
-                *_eager_args(model))
-        return
-    (loss, _), grads = evaluate(model, jmp_policy.autocast(model.loss, "mixed_bfloat16",
-                                                           fp8=scaling))
-    (want, _), want_grads = float32_run(name)
-    assert all(np.isfinite(g).all() for g in float_leaves(grads))
-    assert abs(float(loss) - float(want)) <= 0.05 * abs(float(want))
-    assert relative_error(grads, want_grads) <= 0.3
-
-
-def _eager_args(model):
-    k_init, k_batch, k_drop = jax.random.split(jax.random.key(0), 3)
-    state, batch = model.init(k_init), model.batch(k_batch)
-    if model.framework == "linen":
-        rest = {k: v for k, v in state.items() if k != "params"}
-        return state["params"], rest, batch, k_drop, True
-    return (state, batch, True) if model.framework == "nnx" else (state, batch, k_drop, True)
+def test_every_precision_matches_float32(name):
+    runs = evaluate_all(name)
+    (want, want_aux), want_grads = runs["float32"]
+    assert all(np.isfinite(x).all() for x in float_leaves((want, want_aux, want_grads)))
+    for policy, tol in HALF.items():
+        (loss, aux), grads = runs[policy]
+        assert loss.dtype == jnp.float32, policy  # a loss is never narrowed: float32 class
+        assert abs(float(loss) - float(want)) <= tol * abs(float(want)), policy
+        assert relative_error(grads, want_grads) <= 5 * tol, policy
+        for got, ref in zip(jax.tree.leaves(aux), jax.tree.leaves(want_aux)):
+            assert got.dtype == ref.dtype, policy  # BatchNorm statistics stay float32
+    for scaling in FLOAT8:
+        if scaling not in runs:
+            continue
+        (loss, _), grads = runs[scaling]
+        # Finite with padding rows of zeros and dropout under jit; close to float32.
+        assert all(np.isfinite(g).all() for g in float_leaves(grads)), scaling
+        assert abs(float(loss) - float(want)) <= 0.05 * abs(float(want)), scaling
+        assert relative_error(grads, want_grads) <= 0.3, scaling
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_loss_scaled_float16_steps_skip_nothing(name):
     model = rm.MODELS[name]
     loss_fn = jmp_policy.autocast(model.loss, "mixed_float16")
-    tx = jmp_policy.loss_scaling(optax.adam(1e-3), "mixed_float16")
-    losses, skipped = TRAINERS[model.framework](model, loss_fn, tx, steps=3)
+    tx = jmp_policy.loss_scaling(optax.adam(3e-3), "mixed_float16")
+    losses, skipped = TRAINERS[model.framework](model, loss_fn, tx, steps=15)
     assert skipped == 0
-    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    # The model learns its fixed batch in float16 (float32: 0.03 to 0.43 of the first
+    # loss after 30 steps of adam(3e-3)).
+    assert all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0], losses
 
 
 def _train_linen(model, loss_fn, tx, steps):
