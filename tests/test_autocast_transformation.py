@@ -322,3 +322,13 @@ def test_batch_stats_stay_float32_and_the_train_step_traces_once():
         params, rest, opt_state = step(params, rest, opt_state)
     assert {x.dtype for x in jax.tree.leaves(rest)} == {F32}
     assert step._cache_size() == 1  # the state came back with the types it went in with
+
+
+def test_autocast_functions_made_over_and_over_keep_no_growing_cache():
+    from jmp_policy.autocast import _interpreter
+
+    x = jnp.ones((4, 4))
+    for i in range(40):  # a fresh autocast each time, as inside a function traced repeatedly
+        jmp_policy.autocast(lambda x: jnp.where(x > 0, x @ x, 0.0), "mixed_bfloat16")(x)
+    sizes = [len(variants) for _, variants in _interpreter._REWRITES._entries.values()]
+    assert sizes and max(sizes) <= _interpreter._VARIANTS_PER_JAXPR

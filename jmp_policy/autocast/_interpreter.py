@@ -400,7 +400,10 @@ class _RewriteCache:
                 self._entries.pop(key_id, None)
 
             entry = self._entries[key_id] = (weakref.ref(closed, forget), {})
-        entry[1][(ctx.compute, id(ctx.rules), id(ctx.matmul), *key)] = (
+        variants = entry[1]
+        if len(variants) >= _VARIANTS_PER_JAXPR:  # autocast functions made over and over
+            del variants[next(iter(variants))]  # the oldest goes
+        variants[(ctx.compute, id(ctx.rules), id(ctx.matmul), *key)] = (
             ctx.rules, ctx.matmul, rewrite)
 
 
@@ -408,4 +411,5 @@ def _holds_tracer(closed: ClosedJaxpr) -> bool:
     return any(isinstance(c, jax.core.Tracer) for c in closed.consts)
 
 
+_VARIANTS_PER_JAXPR = 16
 _REWRITES = _RewriteCache()
