@@ -1,25 +1,17 @@
 """The numerics inspector: which operations overflow, underflow or lose precision, and where.
 
-``inspect_numerics(fn, policy)`` evaluates ``fn`` once in float32 and once as
-``autocast(fn, policy)`` runs it, equation by equation, and reports for every
-operation with floating results how its low-precision result compares with
-float32: a `NumericsReport` of `NumericsRow` records, one per operation (and
-call site), named by their ``jax.named_scope`` path, so Flax module paths
-(``Block_0/Dense_1``) appear. With ``argnums``, the backward pass is reported
-too, and the report suggests a loss scale.
+``inspect_numerics(fn, policy)`` runs ``autocast(fn, policy)`` (with
+``argnums``, its backward pass too) and observes every operation it computes
+below float32 precision: each result is compared with the same operation
+evaluated in float32 on the same inputs. The `NumericsReport` holds one
+`NumericsRow` per such operation (and call site), named by its
+``jax.named_scope`` or module path, so Flax and Equinox module paths
+(``Block_0/Dense_1``) appear. With ``argnums``, the report also suggests a
+loss scale from the values the backward pass holds in float16.
 
-Each operation that autocast does not run in float32 (matrix products, and
-operations on half-precision values) is evaluated as autocast runs it on the
-float32 evaluation's inputs and compared with the float32 result: a row shows
-what its own operation loses. An overflow or a flush to zero upstream neither
-hides one downstream nor is counted again at every operation that passes an
-inf or a zero on, so one round of `NumericsReport.suggest_rules` fixes a
-model. The float32 evaluation also gives the value ranges
-(`NumericsReport.plot`) and the gradient magnitudes that a loss scale must
-bring into range (`NumericsReport.suggest_loss_scale`).
-
-All statistics are computed inside one compiled program per call signature
-and come to the host together, so an inspection costs a few train steps.
+An overflow shows at the operation that makes it (a cast to float16, a
+half-precision product), where `NumericsReport.suggest_rules` pins it to
+float32; the operations downstream receive its inf and are not counted again.
 
 >>> import jax, jax.numpy as jnp, jmp_policy
 >>> def layer(x, w):
@@ -29,7 +21,7 @@ and come to the host together, so an inspection costs a few train steps.
 ...     jnp.full((2, 3), 100.0), jnp.ones((3, 4)))
 >>> row = report.worst(1)[0]
 >>> row.scope, row.primitive, row.phase, row.dtype, row.overflow
-('boom', 'dot_general', 'forward', 'float16', 8)
+('boom', 'convert_element_type', 'forward', 'float16', 6)
 >>> report.suggest_rules()
 {'float32_scopes': ['boom']}
 """
@@ -48,19 +40,16 @@ from typing import (
 import jax
 import numpy as np
 from jax.core import Tracer
-from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr
 
-from jmp_policy._dtypes import is_floating_dtype
-from jmp_policy._rules import UnmatchedRuleWarning
+from jmp_policy.autocast import _modules
+from jmp_policy.autocast._api import _Call, autocast
 from jmp_policy.autocast._fp8 import Float8Like, Float8Recipe, as_recipe
-from jmp_policy.autocast._fp8_matmul import float8_matmul
 from jmp_policy.autocast._inspect import (
-    HISTOGRAM, Packing, Registry, VALUE_PRESERVING, display_scope, evaluate, pack, phase_of,
-    unpack)
-from jmp_policy.autocast._interpreter import Context, higher_order_names
-from jmp_policy.autocast._lattice import F32, is_floating, join
-from jmp_policy.autocast._matmul import matmul
-from jmp_policy.autocast._rules import Rules, parse_rules
+    HostSink, Observer, Registry, dead_equations, display_scope, observe, phase_of)
+from jmp_policy.autocast._interpreter import higher_order_names
+from jmp_policy.autocast._lattice import F32, is_floating
+from jmp_policy.autocast._rules import parse_rules
 from jmp_policy.policy import Policy, PolicyLike, as_policy
 
 Phase = Literal["forward", "backward"]
@@ -75,13 +64,12 @@ _NORMAL_SHARE = 0.999
 
 @dataclasses.dataclass(frozen=True)
 class NumericsRow:
-    """One operation of the inspected function: its low-precision result against float32.
+    """One operation of autocast's program below float32: its result against float32.
 
-    The low-precision result is the operation evaluated as autocast runs it on
-    the float32 evaluation's inputs (so it shows what the operation itself
-    loses); for an operation that autocast runs in float32 it is the float32
-    result. Inside a loop body (``scan``, ``while_loop``), one row holds all the
-    iterations of its operation.
+    The operation's result in autocast's program is compared with the same
+    operation evaluated in float32 on the same inputs, so a row shows what the
+    operation itself loses. Inside a loop body (``scan``, ``while_loop``), one
+    row holds all the iterations of its operation.
 
     Attributes:
       scope: the ``jax.named_scope`` path, ``/``-joined, without JAX's
@@ -103,14 +91,18 @@ class NumericsRow:
       rel_error: the relative RMS error of the low-precision result against
         float32, over the elements finite in both.
       size: the number of result elements (over all iterations of a loop).
-      float32_min: the smallest nonzero magnitude of the result in the float32
-        evaluation of the function (``None`` if all zero).
-      float32_max: the largest finite magnitude there.
+      float32_min: the smallest nonzero magnitude of the float32 result
+        (``None`` if all zero).
+      float32_max: the largest finite magnitude of the float32 result.
       fp8_saturated: for a float8 product, how many operand values saturate
-        (are beyond the float8 format after scaling, inf and NaN included);
-        ``None`` for other operations.
+        (are beyond the float8 format after scaling, inf and NaN included): the
+        overflows of the casts to float8 that made its operands; ``None`` for
+        other operations.
       fp8_flushed: for a float8 product, how many nonzero operand values
-        become zero in float8; ``None`` for other operations.
+        become zero in float8 (those casts' underflows); ``None`` for other
+        operations.
+      shapes: the shapes of its floating operands (``"16x64, 64x64"``), which
+        tell apart operations of one primitive in one scope.
     """
 
     scope: str
@@ -127,6 +119,7 @@ class NumericsRow:
     float32_max: float
     fp8_saturated: Optional[int] = None
     fp8_flushed: Optional[int] = None
+    shapes: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,13 +264,14 @@ def inspect_numerics(
 ) -> Callable[..., NumericsReport]:
     """Returns a function that inspects ``fn``'s numerics under ``autocast(fn, policy, ...)``.
 
-    Calling it with ``fn``'s arguments evaluates ``fn`` once in float32 (floating
-    arguments widened to float32) and once as ``autocast(fn, policy,
-    rules=rules, fp8=fp8)`` would, equation by equation, and returns a
-    `NumericsReport` with one row per operation with floating results. Loops
-    (``scan``, ``while_loop``) give one row per operation of their body, over
-    all iterations. Each call signature is traced and compiled once; the
-    statistics come to the host at the end of one compiled program.
+    Calling it with ``fn``'s arguments runs ``autocast(fn, policy, rules=rules,
+    fp8=fp8)`` on them, as training traces it, and returns a `NumericsReport`
+    with one row per operation that it computes below float32 precision (casts,
+    half-precision and float8 products, operations on half-precision values),
+    each compared with the same operation in float32 on the same inputs. Loops
+    (``scan``, ``while_loop``) give one row per operation of their body, over all
+    iterations. Each call traces and compiles one program, whose statistics
+    reach the host by callbacks.
 
     Args:
       fn: the function, as given to `jmp_policy.autocast` (``jit``-ed functions,
@@ -291,61 +285,74 @@ def inspect_numerics(
     if not callable(fn):
         raise TypeError(f"inspect_numerics expects a callable, got {fn!r}.")
     resolved = as_policy(policy)
-    parsed = parse_rules(rules, higher_order_names())
+    parse_rules(rules, higher_order_names())  # bad rules are an error now, not at the call
     recipe = as_recipe(fp8)
     positions = _argnums(argnums)
     name = _function_name(fn)
     meta = _Meta(name, resolved.name, None if recipe is None else _recipe_name(recipe),
                  rules, positions is not None)
-    cache: dict[Any, tuple[Registry, Packing, Callable[..., tuple[jax.Array, ...]]]] = {}
 
     @functools.wraps(fn)
     def inspect(*args: Any, **kwargs: Any) -> NumericsReport:
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
-        values = [leaves[i] for i in dynamic]
-        if any(isinstance(x, Tracer) for x in values):
+        call = _Call.of(fn, args, kwargs)
+        if any(isinstance(x, Tracer) for x in call.values):
             raise TypeError(
                 f"inspect_numerics({name}) was called with traced values: it builds its "
                 "report on the host, so call it outside jax.jit, grad and vmap.")
-        key = _signature(treedef, leaves, values)
-        entry = cache.get(key) if key is not None else None
-        if entry is None:
-            wrt = _differentiated(positions, args, dynamic, values, name)
-            closed = _trace(fn, leaves, treedef, dynamic, values, wrt, name)
-            registry, packing = Registry(), Packing()
-            program: Callable[..., tuple[jax.Array, ...]] = jax.jit(functools.partial(
-                _program, closed, registry, packing, resolved, parsed, recipe, name))
-            entry = (registry, packing, program)
-            if key is not None:
-                cache[key] = entry
-        registry, packing, program = entry
-        stats = unpack(jax.device_get(program(np.float32(1), *values)), packing)
-        return _report(registry, stats, meta)
+        wrt = _differentiated(positions, args, call, name)
+        closed = _program_jaxpr(call, wrt, resolved, rules, recipe, name)
+        registry, runs = Registry(), [HostSink()]
+        observer = Observer(registry, _compute_dtype(resolved, call.values), lambda: runs[-1],
+                            dead_equations(closed.jaxpr))
+        program = jax.jit(lambda *values: observe(observer, closed, values))
+
+        def run(scale: float) -> HostSink:
+            runs.append(HostSink(scale))
+            program(np.float32(scale), *call.values)
+            jax.effects_barrier()  # type: ignore[no-untyped-call]  # every callback delivered
+            return runs[-1]
+
+        first = run(1.0)
+        gradients = _gradients(registry, first, run) if wrt is not None else None
+        return _report(registry, first, meta, gradients)
 
     return inspect
 
 
-def _is_dynamic(leaf: Any) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+# Runs of the inspection at other loss scales, to measure gradients that the unscaled run
+# flushes to zero (or takes beyond float16) before the values downstream of them.
+_SCALE_RUNS = 4
 
 
-def _signature(treedef: Any, leaves: list[Any], values: list[Any]) -> Optional[tuple[Any, ...]]:
-    """What a trace of ``fn`` depends on, or ``None`` when a static leaf is unhashable."""
-    static = tuple(None if _is_dynamic(leaf) else leaf for leaf in leaves)
-    key = (treedef, static, tuple(jax.typeof(x) for x in values))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+def _gradients(registry: Registry, first: HostSink,
+               run: Callable[[float], HostSink]) -> tuple[np.ndarray[Any, Any], float]:
+    """The histogram and largest magnitude of the backward pass's float16-held values.
+
+    The backward pass is linear in the loss's cotangent, which the program takes as its
+    loss scale: a run at a scale that brings the values one run measured into range
+    measures those downstream of them too. Runs go on until the suggested scale is the
+    one they ran at.
+    """
+    sink = first
+    for _ in range(_SCALE_RUNS):
+        hist, top = sink.histogram, _gradient_max(registry, sink)
+        scale = _loss_scale(hist, top, warn=False)
+        if scale == sink.scale or not hist.any():
+            break
+        sink = run(scale)
+    return sink.histogram, _gradient_max(registry, sink)
 
 
-def _call_dtypes(policy: Policy, values: Sequence[Any]) -> tuple[Any, Any]:
-    compute, output = policy.compute_dtype, policy.output_dtype
+def _gradient_max(registry: Registry, sink: HostSink) -> float:
+    return max((s["f32_max"] for n, s in sink.stats.items() if registry.rows[n].gradient),
+               default=0.0) / sink.scale
+
+
+def _compute_dtype(policy: Policy, values: Sequence[Any]) -> Any:
+    compute = policy.compute_dtype
     if compute is None:  # deprecated infer policies: compute follows the first floating input
         compute = next((np.dtype(x.dtype) for x in values if is_floating(x)), F32)
-    return np.dtype(compute), np.dtype(compute if output is None else output)
+    return np.dtype(compute)
 
 
 def _function_name(fn: Callable[..., Any]) -> str:
@@ -367,9 +374,9 @@ def _argnums(argnums: Argnums) -> Optional[tuple[int, ...]]:
     return numbers
 
 
-def _differentiated(positions: Optional[tuple[int, ...]], args: tuple[Any, ...],
-                    dynamic: list[int], values: list[Any], name: str) -> Optional[list[int]]:
-    """The indices in ``values`` of the floating leaves of the arguments at ``positions``."""
+def _differentiated(positions: Optional[tuple[int, ...]], args: tuple[Any, ...], call: _Call,
+                    name: str) -> Optional[list[int]]:
+    """The indices in ``call.values`` of the floating arrays of the arguments at ``positions``."""
     if positions is None:
         return None
     n = len(args)
@@ -379,79 +386,59 @@ def _differentiated(positions: Optional[tuple[int, ...]], args: tuple[Any, ...],
             f"inspect_numerics argnums={positions!r}, but {name} was called with {n} positional "
             f"argument(s): argnums counts positional arguments from 0 (keyword arguments "
             "cannot be differentiated).")
-    starts = np.cumsum([0] + [len(jax.tree_util.tree_leaves(a)) for a in args])
-    wanted = {i for a in sorted({a % n for a in positions})
-              for i in range(int(starts[a]), int(starts[a + 1]))}
-    where = {leaf: k for k, leaf in enumerate(dynamic)}
-    wrt = [where[i] for i in sorted(wanted) if i in where and is_floating(values[where[i]])]
+    wrt = []
     for a in sorted({a % n for a in positions}):
-        if not any(int(starts[a]) <= dynamic[k] < int(starts[a + 1]) for k in wrt):
+        found = [k for k in call.dynamic_in(a) if is_floating(call.values[k])]
+        if not found:
             raise ValueError(
                 f"inspect_numerics argnums includes {a}, but argument {a} of {name} has no "
                 "floating-point arrays to differentiate.")
-    return wrt
+        wrt.extend(found)
+    return sorted(wrt)
 
 
-def _trace(fn: Callable[..., Any], leaves: list[Any], treedef: Any, dynamic: list[int],
-           values: list[Any], wrt: Optional[list[int]], name: str) -> ClosedJaxpr:
-    """The jaxpr to inspect: ``fn`` of its dynamic leaves, or ``fn`` and its gradient."""
-    def call(*values: Any) -> Any:
-        full = list(leaves)
-        for i, v in zip(dynamic, values):
-            full[i] = v
-        args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
-        return fn(*args, **kwargs)
+def _program_jaxpr(call: _Call, wrt: Optional[list[int]], policy: Policy,
+                   rules: Optional[Mapping[str, Any]], recipe: Optional[Float8Recipe],
+                   name: str) -> ClosedJaxpr:
+    """The program to inspect: ``autocast(fn)``, or its value and gradients, as a jaxpr of a
+    loss scale and the call's traced values, exactly as training traces it.
 
-    closed: ClosedJaxpr = jax.make_jaxpr(
-        lambda *v: jax.tree_util.tree_leaves(call(*v)))(*values)
+    The gradients are a vector-Jacobian product with the loss scale as the cotangent: the
+    backward pass of ``jax.grad`` scaled, without an operation of its own.
+    """
+    def forward(*values: Any) -> Any:
+        callee, args, kwargs, _ = call.rebuild(values)  # NNX objects: copies
+        return autocast(_modules.as_callable(callee), policy, rules=rules, fp8=recipe)(
+            *args, **kwargs)
+
     if wrt is None:
-        return closed
-    _check_scalar(closed.out_avals, name)
-    # The gradient is taken of the jaxpr, so that fn is traced once.
-    forward = jaxpr_as_fun(closed)
+        return jax.make_jaxpr(lambda _, *v: jax.tree_util.tree_leaves(forward(*v)))(
+            np.float32(1), *call.values)
 
-    def value_and_grad(*values: Any) -> list[Any]:
+    def value_and_grad(scale: Any, *values: Any) -> list[Any]:
         def of_wrt(*diff: Any) -> Any:
             full = list(values)
             for k, v in zip(wrt, diff):
                 full[k] = v
-            (out,) = forward(*full)
-            return out
+            return _scalar(forward(*full), name)
 
-        out, grads = jax.value_and_grad(of_wrt, argnums=tuple(range(len(wrt))))(
-            *[values[k] for k in wrt])
-        return [out, *grads]
+        out, vjp = jax.vjp(of_wrt, *[values[k] for k in wrt])
+        return [out, *vjp(scale.astype(out.dtype))]
 
-    gradient: ClosedJaxpr = jax.make_jaxpr(value_and_grad)(*values)
-    return gradient
+    closed: ClosedJaxpr = jax.make_jaxpr(value_and_grad)(np.float32(1), *call.values)
+    return closed
 
 
-def _check_scalar(leaves: Sequence[Any], name: str) -> None:
-    if len(leaves) == 1 and leaves[0].shape == () and is_floating_dtype(leaves[0].dtype):
-        return
+def _scalar(out: Any, name: str) -> Any:
+    leaves = jax.tree_util.tree_leaves(out)
+    if len(leaves) == 1 and np.shape(leaves[0]) == () and is_floating(leaves[0]):
+        return leaves[0]
     got = (f"{len(leaves)} values" if len(leaves) != 1
-           else f"{leaves[0].dtype}{list(leaves[0].shape)}")
+           else f"{leaves[0].dtype}{list(np.shape(leaves[0]))}")
     raise ValueError(
         f"inspect_numerics(..., argnums=...) inspects the backward pass of {name}'s output, "
         f"which must be one floating-point scalar (a loss); {name} returned {got}. Inspect "
         "the loss function, or leave argnums out to inspect the forward pass only.")
-
-
-def _program(closed: ClosedJaxpr, registry: Registry, packing: Packing, policy: Policy,
-             rules: Rules, recipe: Optional[Float8Recipe], name: str, one: jax.Array,
-             *values: Any) -> tuple[jax.Array, ...]:
-    """The inspection: ``closed`` evaluated under autocast and in float32, in lockstep,
-    returning the statistics only (packed into a few arrays, see ``packing``)."""
-    compute, _ = _call_dtypes(policy, values)
-    low = Context(compute, rules, matmul if recipe is None else float8_matmul(recipe))
-    ref = Context(join(compute, F32), rules, matmul)
-    sink = evaluate(registry, recipe, low, ref, closed, values, one)
-    for scope, near in low.unmatched_scopes():
-        hint = f" Did you mean {' or '.join(map(repr, near))}?" if near else ""
-        warnings.warn(
-            f"rules['float32_scopes'] entry {scope!r} matched no operation of {name}.{hint}",
-            UnmatchedRuleWarning, stacklevel=2)
-    return pack(sink, packing)
 
 
 def _recipe_name(recipe: Float8Recipe) -> str:
@@ -460,32 +447,30 @@ def _recipe_name(recipe: Float8Recipe) -> str:
 
 # --- Building the report -------------------------------------------------------------------
 
-def _report(registry: Registry, stats: dict[int, dict[str, Any]], meta: _Meta) -> NumericsReport:
+def _report(registry: Registry, sink: HostSink, meta: _Meta,
+            gradients: Optional[tuple[np.ndarray[Any, Any], float]]) -> NumericsReport:
     rows = []
     for number, info in enumerate(registry.rows):
-        lo = stats.get(number)
-        if lo is None or int(lo["size"]) == 0:  # not run: an untaken branch, an empty loop
+        lo = sink.stats.get(number)
+        if lo is None or lo["size"] == 0:  # not run: an untaken branch, an empty loop
             continue
-        f32_min = float(lo["f32_min"])
+        casts = [sink.stats.get(n, {}) for n in registry.fp8_casts.get(number, ())]
         rows.append(NumericsRow(
             scope=display_scope(info.path), primitive=info.primitive,
             phase=phase_of(info.path), dtype=info.dtype,
-            max_abs=float(lo["max_abs"]), overflow=int(lo["overflow"]),
+            max_abs=lo["max_abs"], overflow=int(lo["overflow"]),
             underflow=_fraction(lo["underflow"], lo["nonzero"]),
             subnormal=_fraction(lo["subnormal"], lo["size"]),
-            rel_error=_relative(float(lo["err_sq"]), float(lo["ref_sq"])),
+            rel_error=_relative(lo["err_sq"], lo["ref_sq"]),
             size=int(lo["size"]),
-            float32_min=f32_min if math.isfinite(f32_min) else None,
-            float32_max=float(lo["f32_max"]),
-            fp8_saturated=int(lo["fp8_saturated"]) if info.fp8 else None,
-            fp8_flushed=int(lo["fp8_flushed"]) if info.fp8 else None))
-    if meta.backward:
-        hist = stats.get(HISTOGRAM, {}).get("hist")
-        top = max((r.float32_max for r in rows if r.phase == "backward"
-                   and r.primitive not in VALUE_PRESERVING), default=0.0)
-        meta = dataclasses.replace(
-            meta, gradient_histogram=np.zeros(256, np.int64) if hist is None else np.asarray(hist),
-            gradient_max=top)
+            float32_min=lo["f32_min"] if math.isfinite(lo["f32_min"]) else None,
+            float32_max=lo["f32_max"],
+            fp8_saturated=sum(int(c.get("overflow", 0)) for c in casts) if info.fp8 else None,
+            fp8_flushed=sum(int(c.get("underflow", 0)) for c in casts) if info.fp8 else None,
+            shapes=info.shapes))
+    if gradients is not None:
+        meta = dataclasses.replace(meta, gradient_histogram=gradients[0],
+                                   gradient_max=gradients[1])
     return NumericsReport(rows, meta)
 
 
@@ -519,7 +504,7 @@ def _outermost(scopes: list[str]) -> list[str]:
     return [s for s in scopes if not any(inside(s, o) for o in scopes if o != s)]
 
 
-def _loss_scale(histogram: np.ndarray[Any, Any], top: float) -> float:
+def _loss_scale(histogram: np.ndarray[Any, Any], top: float, warn: bool = True) -> float:
     """The loss scale of `NumericsReport.suggest_loss_scale` from a gradient histogram.
 
     Bin ``e`` counts magnitudes in ``[2**(e - 127), 2**(e - 126))``; scaled by
@@ -537,6 +522,8 @@ def _loss_scale(histogram: np.ndarray[Any, Any], top: float) -> float:
     lowest = max(e for e in range(counts.size) if at_or_above[e] >= _NORMAL_SHARE * total)
     smallest = math.ceil(math.log2(float(_F16.tiny))) + 127 - lowest  # k_min
     largest = math.floor(math.log2(float(_F16.max) / top))
+    if smallest > largest and not warn:
+        return 2.0 ** max(-126, largest)
     if smallest > largest:
         share = at_or_above[max(0, min(counts.size - 1, 113 - largest))] / total
         warnings.warn(
@@ -550,8 +537,9 @@ def _loss_scale(histogram: np.ndarray[Any, Any], top: float) -> float:
 
 # --- The table -----------------------------------------------------------------------------
 
-_COLUMNS = ("scope", "primitive", "phase", "dtype", "max_abs", "overflow", "underflow",
-            "subnormal", "rel_error")
+_COLUMNS = ("scope", "primitive", "phase", "dtype", "shapes", "max_abs", "overflow",
+            "underflow", "subnormal", "rel_error")
+_LEFT = 5  # the columns that name a row are aligned left, the figures right
 _FP8_COLUMNS = ("fp8_saturated", "fp8_flushed")
 
 
@@ -562,10 +550,10 @@ def _title(meta: _Meta) -> str:
 
 def _table(rows: Sequence[NumericsRow], meta: _Meta) -> str:
     columns = _COLUMNS + (_FP8_COLUMNS if any(r.fp8_saturated is not None for r in rows) else ())
-    cells = [[_cell(getattr(r, c)) if c != "scope" else (r.scope or "-") for c in columns]
-             for r in rows]
+    cells = [[_cell(getattr(r, c)) if c not in ("scope", "shapes") else (getattr(r, c) or "-")
+              for c in columns] for r in rows]
     widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(columns)]
-    text = [" | ".join(c.ljust(w) if i < 4 else c.rjust(w)
+    text = [" | ".join(c.ljust(w) if i < _LEFT else c.rjust(w)
                        for i, (c, w) in enumerate(zip(line, widths)))
             for line in [list(columns)] + cells]
     overflow = sum(1 for r in rows if r.overflow)

@@ -261,12 +261,13 @@ def test_nnx_and_equinox_operations_are_named_by_module_path():
     module, batch = vit.init(jax.random.key(0)), vit.batch(jax.random.key(1))
     g = jmp_policy.autocast(lambda m, b: vit.loss(m, b, jax.random.key(2), False)[0],
                             "mixed_bfloat16")
-    # Equinox names its own scope inside each layer: ViT/head/eqx.nn.Linear.
-    scopes = {scope for scope, _ in products(g, module, batch)}
+    # Equinox names its own scope inside each layer: ViT/head/eqx.nn.Linear (JAX's
+    # vmap(...) around the model, called under jax.vmap, left out).
+    scopes = {"/".join(scope_names(scope)) for scope, _ in products(g, module, batch)}
     assert {"ViT/blocks/1/fc2/eqx.nn.Linear", "ViT/head/eqx.nn.Linear"} <= scopes
     pinned = jmp_policy.autocast(lambda m, b: vit.loss(m, b, jax.random.key(2), False)[0],
                                  "mixed_bfloat16", rules={"float32_scopes": ["blocks/1/fc2"]})
-    dtypes = dict(products(pinned, module, batch))
+    dtypes = {"/".join(scope_names(s)): d for s, d in products(pinned, module, batch)}
     assert dtypes["ViT/blocks/1/fc2/eqx.nn.Linear"] == F32
     assert dtypes["ViT/blocks/0/fc2/eqx.nn.Linear"] == BF16  # the same layer, one block up
     assert dtypes["ViT/blocks/1/fc1/eqx.nn.Linear"] == BF16

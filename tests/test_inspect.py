@@ -62,62 +62,62 @@ def _keys(rows):
 
 # --- The planted overflow and underflow ----------------------------------------------------
 
-# The products of the gradient path: both of dense2's (the gradients of h and w2) and
-# dense1's (the gradient of w1; x is not differentiated).
-GRADIENT_PATH = [("dense2", "backward", "dot_general")] * 2 + [("dense1", "backward",
-                                                                  "dot_general")]
+# Autocast's program rounds x * 1000 to float16 in boom: two values become inf there, and
+# the product, the mean and the loss downstream receive them. Its backward pass casts the
+# loss's cotangent (~1e-10) to float16 in dense2: every value becomes zero there, and the
+# products downstream compute zeros from zeros.
+OVERFLOWS = [("boom", "forward", "convert_element_type")]
+UNDERFLOWS = [("dense2", "backward", "convert_element_type")]
 
 
 def test_worst_rows_are_the_planted_overflow_and_underflow(report):
-    worst = report.worst(4)
-    assert _keys(worst) == [("boom", "forward", "dot_general")] + GRADIENT_PATH
-    assert _keys(r for r in report if r.overflow) == [("boom", "forward", "dot_general")]
-    assert _keys(r for r in report if r.underflow) == GRADIENT_PATH
-    assert report.worst(5)[4].overflow == 0 and report.worst(5)[4].underflow == 0
+    assert _keys(report.worst(2)) == OVERFLOWS + UNDERFLOWS
+    assert _keys(r for r in report if r.overflow) == OVERFLOWS
+    assert _keys(r for r in report if r.underflow) == UNDERFLOWS
+    assert report.worst(3)[2].overflow == 0 and report.worst(3)[2].underflow == 0
 
 
 def test_overflow_count_is_the_hand_count(report):
-    (row,) = [r for r in report if r.overflow]
-    # Every product of a row holding an inf operand is inf or NaN: rows x columns of P.
-    rows_with_inf = (np.abs(X * 1000.0) > F16_MAX).any(axis=1).sum()
-    assert rows_with_inf == 2
-    assert row.overflow == rows_with_inf * F
-    assert row.dtype == "float16" and row.size == B * F
-    # The largest finite result: the rows without an inf operand, in float32.
+    (cast,) = [r for r in report if r.overflow]
+    assert cast.overflow == (np.abs(X * 1000.0) > F16_MAX).sum() == 2  # the two values
+    assert cast.dtype == "float16" and cast.size == B * D
+    # The product receives the two infs: its own result loses nothing more.
+    (product,) = [r for r in report if _keys([r]) == [("boom", "forward", "dot_general")]]
+    assert product.overflow == 0 and product.size == B * F
+    # The largest finite result: the rows without an inf operand.
     finite = ~(np.abs(X * 1000.0) > F16_MAX).any(axis=1)
-    products = (X[finite] * 1000.0).astype(np.float16).astype(np.float32) @ \
-        P.astype(np.float16).astype(np.float32)
-    np.testing.assert_allclose(row.max_abs, np.abs(products).max(), rtol=1e-3)
+    products = _half(X[finite] * 1000.0) @ _half(P)
+    np.testing.assert_allclose(product.max_abs, np.abs(products).max(), rtol=1e-3)
 
 
 def _half(a):
     return a.astype(np.float16).astype(np.float32)
 
 
-def test_underflow_fractions_are_the_hand_computation(report):
-    # The float32 backward pass by hand, and each of its products with its operands
-    # narrowed to float16 as autocast narrows them: the fraction of the float32
-    # product's nonzero values that are zero in float16.
+def _autocast_grads():
+    mixed = jmp_policy.autocast(model, "mixed_float16")
+    return jax.grad(lambda p: loss_fn(p, X, T, apply=mixed))(PARAMS)
+
+
+def test_underflow_is_the_hand_computation_and_what_autocast_computes(report):
     h = np.tanh(X @ PARAMS["w1"])
     y = h @ PARAMS["w2"]
-    g = LOSS_FACTOR * 2 * (y - T) / y.size          # d loss / d y
-    gh = (g @ PARAMS["w2"].T) * (1 - h ** 2)        # d loss / d (x @ w1)
-    expected = []
-    for a, b in [(g, PARAMS["w2"].T), (h.T, g), (X.T, gh)]:
-        ref, low = a @ b, _half(a) @ _half(b)
-        nonzero = ref != 0
-        expected.append(((low == 0) & nonzero).sum() / nonzero.sum())
-    rows = [r for r in report if r.underflow]
-    assert sorted(r.underflow for r in rows) == sorted(expected)
-    assert expected == [1.0] * 3  # every gradient value on the path is below float16's range
-    assert all(r.rel_error == 1.0 and r.max_abs == 0.0 for r in rows)
+    g = LOSS_FACTOR * 2 * (y - T) / y.size          # d loss / d y, below float16's range
+    assert (_half(g) == 0).all() and (g != 0).all()
+    (cast,) = [r for r in report if r.underflow]
+    assert (cast.size, cast.underflow, cast.rel_error, cast.max_abs) == (g.size, 1.0, 1.0, 0.0)
+    np.testing.assert_allclose(cast.float32_max, np.abs(g).max(), rtol=1e-2)
+    # Downstream, autocast's backward pass computes zeros from zeros, as jax.grad says.
+    backward = [r for r in report if r.phase == "backward" and r is not cast]
+    assert backward and all(r.max_abs == 0.0 and r.underflow == 0.0 for r in backward)
+    assert all((np.asarray(v) == 0).all() for v in jax.tree.leaves(_autocast_grads()))
 
 
 def test_an_overflow_is_counted_where_it_happens_not_downstream(report):
-    # The inf reaches mean, mul and add after the product, and the loss; none of them
-    # has an overflow row of its own.
-    downstream = [r for r in report if r.scope in ("boom", "") and r.phase == "forward"
-                  and r.primitive != "dot_general"]
+    # The inf reaches the product after the cast, and the mean and the loss (in
+    # float32: no rows); the product has no overflow of its own.
+    downstream = [r for r in report if _keys([r]) != OVERFLOWS and r.phase == "forward"]
+    assert [r.scope for r in downstream if r.scope == "boom"] == ["boom"]
     assert downstream and all(r.overflow == 0 for r in downstream)
 
 
@@ -189,16 +189,44 @@ def test_the_loss_scale_brings_the_gradients_into_float16s_normal_range(report):
 
 def test_rows_have_the_documented_fields(report):
     row = report.worst(1)[0]
-    assert (row.scope, row.primitive, row.phase, row.dtype) == (
-        "boom", "dot_general", "forward", "float16")
+    assert (row.scope, row.primitive, row.phase, row.dtype, row.shapes) == (
+        "boom", "convert_element_type", "forward", "float16", f"{B}x{D}")
+    (product,) = [r for r in report if (r.scope, r.primitive) == ("boom", "dot_general")]
+    assert product.shapes == f"{B}x{D}, {D}x{F}"
     for r in report:
         assert r.phase in ("forward", "backward")
         assert 0.0 <= r.underflow <= 1.0 and 0.0 <= r.subnormal <= 1.0
         assert r.rel_error >= 0.0 and r.max_abs >= 0.0 and r.size > 0
         assert r.fp8_saturated is None and r.fp8_flushed is None
-    exact = [r for r in report if r.dtype == "float32"]
-    assert exact and all(r.rel_error == 0.0 and r.overflow == 0 for r in exact)
     assert {r.phase for r in report} == {"forward", "backward"}
+
+
+def _ran_below_float32(closed):
+    """(primitive, dtype) of each equation of a jaxpr, nested ones included, with a
+    floating operand or result narrower than float32."""
+    found = set()
+    for eqn in closed.eqns:
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                    found |= _ran_below_float32(getattr(sub, "jaxpr", sub))
+        avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
+        narrow = [a.dtype for a in avals if jnp.issubdtype(getattr(a, "dtype", int),
+                                                           jnp.floating)
+                  and jnp.finfo(a.dtype).bits < 32]
+        if narrow:
+            found.add((eqn.primitive.name, min(narrow, key=lambda d: jnp.finfo(d).bits).name))
+    return found
+
+
+def test_rows_are_the_operations_of_jax_grad_of_autocast_in_their_dtypes(report):
+    mixed = jmp_policy.autocast(model, "mixed_float16")
+    program = jax.make_jaxpr(jax.value_and_grad(lambda p: loss_fn(p, X, T, apply=mixed)))(
+        PARAMS)
+    assert {(r.primitive, r.dtype) for r in report} <= _ran_below_float32(program.jaxpr)
+    # Operations autocast runs in float32 (tanh's derivative, the loss) lose nothing
+    # against float32: they have no rows.
+    assert all(r.dtype != "float32" for r in report)
 
 
 def test_report_is_a_sequence_and_a_table(report):
@@ -208,6 +236,7 @@ def test_report_is_a_sequence_and_a_table(report):
     lines = text.splitlines()
     assert "mixed_float16" in lines[0] and "1 overflowing" in lines[0]
     assert lines[1].split("|")[0].strip() == "scope" and "rel_error" in lines[1]
+    assert "shapes" in lines[1]
     assert lines[3].startswith("boom ") and len(lines) == 3 + 3
 
 
@@ -250,20 +279,22 @@ def _layer(h, w):
         return jnp.tanh(h @ w)
 
 
-def test_one_program_per_call_signature_and_jit_changes_nothing(report):
-    traces = []
-
-    def f(params, x, t):
-        traces.append(1)
-        return loss_fn(params, x, t)
-
-    inspect = jmp_policy.inspect_numerics(jax.jit(f), "mixed_float16", argnums=0)
+def test_jit_changes_nothing(report):
+    inspect = jmp_policy.inspect_numerics(jax.jit(loss_fn), "mixed_float16", argnums=0)
     jitted = inspect(PARAMS, X, T)
     again = inspect(jax.tree.map(lambda w: w * 2, PARAMS), X, T)
-    assert len(traces) == 1                          # traced and compiled once
     assert _keys(jitted) == _keys(again) == _keys(report)
     assert [r.max_abs for r in jitted] == [r.max_abs for r in report]
     assert [r.max_abs for r in again] != [r.max_abs for r in report]
+
+
+def test_each_call_reads_closures_afresh():
+    scale = {"x": 1.0}
+    inspect = jmp_policy.inspect_numerics(lambda p, x, t: loss_fn(p, x * scale["x"], t),
+                                          "mixed_float16", argnums=0)
+    assert any(r.overflow for r in inspect(PARAMS, X, T))
+    scale["x"] = 1e-3  # read at call time, as autocast reads it: no value beyond 65504
+    assert not any(r.overflow for r in inspect(PARAMS, X, T))
 
 
 def test_loops_branches_and_remat():
@@ -294,7 +325,9 @@ def test_loops_branches_and_remat():
 
     (cell,) = rows("cell", "dot_general")
     assert cell.size == 5 * 4 * 16                   # one row for all five iterations
-    assert cell.overflow == 2 * 4 * 16               # the two overflowing iterations
+    (cast,) = [r for r in rows("cell", "convert_element_type") if r.shapes == "4x16"]
+    assert cast.size == 5 * 4 * 16
+    assert cast.overflow == 2 * 4 * 16               # the two overflowing iterations
     assert rows("cell", "dot_general", "backward")    # the transposed scan's products
     (loop,) = rows("loop", "dot_general")
     assert loop.size == 3 * 4 * 16                   # three iterations
@@ -302,8 +335,9 @@ def test_loops_branches_and_remat():
     assert branch.size == 4 * 16
     # checkpoint: the layer is computed, then computed again for the backward pass
     # (forward values both times), and differentiated.
-    assert len(rows("layer", "tanh")) == 2 and not rows("layer", "tanh", "backward")
+    assert len(rows("layer", "dot_general")) == 2
     assert rows("layer", "dot_general", "backward")
+    assert all(r.shapes != "-" for r in report)       # every row rounds operands
 
 
 def test_flax_nnx_modules_as_arguments():
@@ -316,8 +350,10 @@ def test_flax_nnx_modules_as_arguments():
 
     report = jmp_policy.inspect_numerics(loss, "mixed_bfloat16", argnums=0)(model, jnp.ones((2, 3)))
     products = [r for r in report if r.primitive == "dot_general"]
+    # The module's own path (its class name) inside the user's scope.
     assert {(r.scope, r.phase, r.dtype) for r in products} == {
-        ("linear", "forward", "bfloat16"), ("linear", "backward", "bfloat16")}
+        ("linear/Linear", "forward", "bfloat16"), ("linear/Linear", "backward", "bfloat16")}
+    assert not any(r.scope == "" for r in report)
 
 
 def _load_lm():
@@ -343,7 +379,10 @@ def test_the_example_transformer_lm_shows_its_module_paths():
             "TransformerLM/Block_0/CausalSelfAttention_0/proj",
             "TransformerLM/Block_0/Dense_0", "TransformerLM/Block_0/Dense_1",
             "TransformerLM/logits"} <= products
-    assert any(r.scope == "TransformerLM/Block_0/LayerNorm_0" for r in report)
+    # Every row is in a module, but the cast of the logits to the policy's output dtype,
+    # which autocast makes outside the model.
+    assert [(r.scope, r.primitive) for r in report if not r.scope.startswith("TransformerLM/")
+            ] == [("", "convert_element_type")]
 
 
 # --- Float8 ---------------------------------------------------------------------------------
@@ -367,7 +406,12 @@ def test_float8_products_count_flushed_operands_forward_and_backward():
     (forward,) = [r for r in products if r.phase == "forward"]
     assert forward.dtype == "float8_e4m3fn"
     assert (forward.fp8_saturated, forward.fp8_flushed) == (0, 4)
-    assert forward.rel_error > 0 and forward.overflow == 0
+    assert forward.overflow == 0
+    # The counts are those of the casts to float8 that made its operands.
+    (cast,) = [r for r in report if r.underflow and r.dtype == "float8_e4m3fn"]
+    assert (cast.primitive, cast.phase, cast.overflow, cast.size) == (
+        "convert_element_type", "forward", 0, 32 * 32)
+    assert cast.underflow == 4 / (32 * 32) and cast.rel_error > 0
     # The backward product takes the incoming gradient in float8_e5m2.
     assert [r.dtype for r in products if r.phase == "backward"] == ["float8_e5m2 x float8_e4m3fn"]
     assert all(r.fp8_flushed is not None for r in products)
@@ -408,7 +452,7 @@ def test_argnums_out_of_range_names_the_positional_arguments():
 
 def test_argnums_on_a_non_scalar_output_is_refused():
     inspect = jmp_policy.inspect_numerics(lambda x: _layer(x, W), "mixed_float16", argnums=0)
-    with pytest.raises(ValueError, match=r"must be one floating-point scalar.*float32\[2, 16\]"):
+    with pytest.raises(ValueError, match=r"must be one floating-point scalar.*\[2, 16\]"):
         inspect(jnp.ones((2, 16)))
 
 

@@ -190,16 +190,40 @@ class _Call:
         """``fn`` as a jaxpr of the traced values; outputs, then the NNX state it leaves."""
         return jax.make_jaxpr(self._flat)(*self.values)
 
-    def _flat(self, *values: Any) -> list[Any]:
+    def rebuild(self, values: Sequence[Any]) -> tuple[Any, Any, Any, tuple[Any, ...]]:
+        """``(callee, args, kwargs, NNX objects)`` with ``values`` for the traced leaves.
+
+        NNX objects are fresh copies holding the values (see `_modules.NnxState`);
+        the caller's objects are left alone.
+        """
         everything = [*self.leaves, *jax.tree_util.tree_leaves(self.nnx.state if self.nnx else ())]
         for i, v in zip(self.dynamic, values):
             everything[i] = v
         leaves, state_leaves = everything[:len(self.leaves)], everything[len(self.leaves):]
-        objects = ()
+        objects: tuple[Any, ...] = ()
         if self.nnx is not None:
             state = jax.tree_util.tree_unflatten(self.state_treedef, state_leaves)
             objects = self.nnx.merged(leaves, state)
         callee, args, kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
+        return callee, args, kwargs, objects
+
+    def dynamic_in(self, position: int) -> list[int]:
+        """The indices in `values` of the traced leaves inside positional argument ``position``."""
+        callee, args, _ = jax.tree_util.tree_unflatten(self.treedef, self.leaves)
+        count = functools.partial(_leaf_count, is_leaf=_modules.is_nnx)
+        start = count(callee) + sum(count(a) for a in args[:position])
+        inside = set(range(start, start + count(args[position])))
+        objects = ({k for k, i in enumerate(self.nnx.positions) if i in inside}
+                   if self.nnx is not None else set())
+        state_paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(
+            self.nnx.state if self.nnx else ())[0]]
+        owners = [_first_key(path) for path in state_paths]  # which NNX object holds a leaf
+        n = len(self.leaves)
+        return [k for k, i in enumerate(self.dynamic)
+                if i in inside or (i >= n and owners[i - n] in objects)]
+
+    def _flat(self, *values: Any) -> list[Any]:
+        callee, args, kwargs, objects = self.rebuild(values)
         with _modules.module_scopes([callee, args, kwargs]):
             out = _modules.call(callee, args, kwargs)
         out_leaves, self.out_tree = jax.tree_util.tree_flatten(out)
@@ -237,6 +261,15 @@ class _Call:
 
 def _is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
+
+
+def _leaf_count(tree: Any, is_leaf: Callable[[Any], bool]) -> int:
+    return len(jax.tree_util.tree_leaves(tree, is_leaf=is_leaf))
+
+
+def _first_key(path: Sequence[Any]) -> Any:
+    key = path[0]
+    return getattr(key, "key", getattr(key, "idx", key))
 
 
 def _output(value: Any, kind: int, output: DType) -> Any:

@@ -31,10 +31,11 @@ every equation through ``observe``:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import jax
 import numpy as np
@@ -138,12 +139,21 @@ class Context:
         (``"block/attention"``), once narrowed with `at`.
       pinned: whether the current equation runs in float32 because it is
         inside a float32 scope.
+      as_traced: evaluate first-order equations at the dtypes they were traced
+        with, rules aside: a program that is already autocast is replayed, its
+        higher-order primitives through the same handlers (the numerics
+        inspector observes it so).
+      observe_jaxpr: entered around the evaluation of each jaxpr, nested ones
+        included, inside its trace: an observer that groups its work for a
+        jaxpr finishes it there.
     """
 
     compute: DType
     rules: Rules
     matmul: MatmulRule
     observe: Optional[Observer] = None
+    as_traced: bool = False
+    observe_jaxpr: Optional[Callable[[], ContextManager[None]]] = None
     scope: str = ""
     pinned: bool = False
     _state: _TraceState = dataclasses.field(default_factory=_TraceState, repr=False)
@@ -193,21 +203,27 @@ def eval_jaxpr(ctx: Context, jaxpr: Jaxpr, consts: Sequence[Any],
         return v.val if isinstance(v, Literal) else env[v]
 
     try:
-        for eqn in jaxpr.eqns:
-            eqn_ctx = level.at(eqn)
-            invals = [read(v) for v in eqn.invars]
-            # Re-emitted with its call site and name scope, as jax.core.eval_jaxpr does,
-            # so profiles, error messages and scopes of nested autocasts still see them.
-            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-            with source_info_util.user_context(eqn.source_info.traceback,
-                                               name_stack=name_stack), eqn.ctx.manager:
-                outs = eval_equation(eqn_ctx, eqn, invals)
-            if ctx.observe is not None:
-                ctx.observe(eqn_ctx, eqn, invals, outs)
-            env.update(zip(eqn.outvars, outs))
-        return [read(v) for v in jaxpr.outvars]
+        with ctx.observe_jaxpr() if ctx.observe_jaxpr is not None else contextlib.nullcontext():
+            return _eval_equations(level, jaxpr, env, read)
     finally:
         level._casts.close()
+
+
+def _eval_equations(level: Context, jaxpr: Jaxpr, env: dict[Var, Any],
+                    read: Callable[[Any], Any]) -> list[Any]:
+    for eqn in jaxpr.eqns:
+        eqn_ctx = level.at(eqn)
+        invals = [read(v) for v in eqn.invars]
+        # Re-emitted with its call site and name scope, as jax.core.eval_jaxpr does,
+        # so profiles, error messages and scopes of nested autocasts still see them.
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback,
+                                           name_stack=name_stack), eqn.ctx.manager:
+            outs = eval_equation(eqn_ctx, eqn, invals)
+        if level.observe is not None:
+            level.observe(eqn_ctx, eqn, invals, outs)
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
 
 
 def eval_equation(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
@@ -219,7 +235,7 @@ def eval_equation(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
 
 def _first_order(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
     name = eqn.primitive.name
-    if not any(is_floating(x) for x in invals):
+    if ctx.as_traced or not any(is_floating(x) for x in invals):
         return bind(eqn, invals)
     if name == "convert_element_type":
         return _convert(ctx, eqn, invals[0])
@@ -313,8 +329,10 @@ def autocast_jaxpr(ctx: Context, closed: ClosedJaxpr, in_dtypes: Sequence[Any],
     re-binding a ``jit`` with the same rewritten jaxpr reuses its compiled
     executable, which an eager call would otherwise compile again each time.
     """
+    # The scope is part of the key where it matters: for float32 scopes, and for an
+    # observer, which tells call sites apart.
     key = (tuple(in_dtypes), None if out_dtypes is None else tuple(out_dtypes), ctx.pinned,
-           ctx.scope if ctx.rules.float32_scopes else None)
+           ctx.scope if ctx.rules.float32_scopes or ctx.observe else None)
     hit = ctx._state.jaxprs.get((id(closed), *key))
     if hit is not None and hit[0] is closed:  # the entry holds `closed`, so its id is not reused
         return hit[1]

@@ -29,6 +29,7 @@ import functools
 import inspect
 import sys
 import threading
+import types
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
@@ -78,6 +79,14 @@ def as_data(fn: Callable[..., Any]) -> Any:
     a module's bound method becomes a `_Method`, any other callable stays as it is."""
     if inspect.ismethod(fn) and _is_module(fn.__self__):
         return _Method(fn.__func__, fn.__self__)
+    return fn
+
+
+def as_callable(callee: Any) -> Callable[..., Any]:
+    """What `as_data` returned (rebuilt) as a callable again: a `_Method` as a bound method."""
+    if isinstance(callee, _Method):
+        return types.MethodType(callee.function, callee.module)
+    fn: Callable[..., Any] = callee
     return fn
 
 
@@ -194,11 +203,20 @@ def _key_name(key: Any) -> str:
 
 # --- Scopes while fn is traced ------------------------------------------------------------
 
+@dataclasses.dataclass
+class _Trace:
+    """The modules of one trace: their paths, and the module methods running now."""
+
+    paths: dict[int, tuple[Path, type]]
+    base: Any  # the name stack when the trace's function was called
+    running: list[Path] = dataclasses.field(default_factory=list)
+
+
 class _Active(threading.local):
-    """The module paths of the traces this thread is in, innermost last."""
+    """The traces this thread is in, innermost last."""
 
     def __init__(self) -> None:
-        self.stack: list[tuple[dict[int, tuple[Path, type]], Any]] = []
+        self.stack: list[_Trace] = []
 
 
 _ACTIVE = _Active()
@@ -216,7 +234,7 @@ def module_scopes(roots: Sequence[Any]) -> Iterator[None]:
     classes = {cls for _, cls in paths.values()}
     names = [(c, n) for cls in classes for c, n in _methods(cls)]
     _patch(names)
-    _ACTIVE.stack.append((paths, source_info_util.current_name_stack()))
+    _ACTIVE.stack.append(_Trace(paths, source_info_util.current_name_stack()))
     try:
         yield
     finally:
@@ -265,16 +283,34 @@ def _scoped(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def scoped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        found = _ACTIVE.stack[-1][0].get(id(self)) if _ACTIVE.stack else None
-        if found is None or found[1] is not type(self):  # not a module of this trace
+        trace = _ACTIVE.stack[-1] if _ACTIVE.stack else None
+        found = trace.paths.get(id(self)) if trace is not None else None
+        if trace is None or found is None or found[1] is not type(self):  # not of this trace
             return method(self, *args, **kwargs)
         path = found[0]
-        stack = _ACTIVE.stack[-1][1]
-        for part in (*path[:-1], path[-1] + suffix):
-            stack = stack.extend(part)
-        # The name stack is set, not extended: a module's operations are named by its
-        # path from the root wherever it is called from (a tied head from its owner).
-        with source_info_util.set_name_stack(stack):
-            return method(self, *args, **kwargs)
+        trace.running.append(path)
+        try:
+            with source_info_util.set_name_stack(_name_stack(trace, path, suffix)):
+                return method(self, *args, **kwargs)
+        finally:
+            trace.running.pop()
 
     return scoped
+
+
+def _name_stack(trace: _Trace, path: Path, suffix: str) -> Any:
+    """The name stack of a module method: the current one plus the module's path relative
+    to the calling module (scopes the caller opened are kept), or, for a module that is
+    not a submodule of its caller (a shared one), its path from the root alone."""
+    caller = trace.running[-2] if len(trace.running) > 1 else ()
+    if path[:len(caller)] == caller:
+        stack, parts = source_info_util.current_name_stack(), list(path[len(caller):])
+    else:
+        stack, parts = trace.base, list(path)
+    if parts and suffix:
+        parts[-1] += suffix
+    elif suffix and not parts:  # a method of the calling module itself
+        return stack
+    for part in parts:
+        stack = stack.extend(part)
+    return stack
