@@ -466,3 +466,42 @@ def test_inspecting_under_a_trace_is_refused():
     inspect = jmp_policy.inspect_numerics(lambda x: jnp.sum(x * 2), "mixed_float16")
     with pytest.raises(TypeError, match="outside jax.jit"):
         jax.jit(inspect)(jnp.ones(3))
+
+
+# --- What autocast's program has, and only that --------------------------------------------
+
+def test_a_backward_overflow_of_autocast_is_reported():
+    # The weight gradient sums 100000 products into float16: inf in autocast's program.
+    def f(w, x):
+        with jax.named_scope("sum"):
+            return jnp.sum(x @ w)
+
+    w, x = jnp.full((4, 1), 1e-3), jnp.ones((100_000, 4))
+    grad = jax.grad(jmp_policy.autocast(f, "mixed_float16"))(w, x)
+    assert not np.isfinite(np.asarray(grad)).all()
+    report = jmp_policy.inspect_numerics(f, "mixed_float16", argnums=0)(w, x)
+    (row,) = [r for r in report if r.overflow]
+    assert (row.scope, row.primitive, row.phase, row.dtype) == (
+        "sum", "dot_general", "backward", "float16")
+    assert row.overflow == 4 and row.float32_max == pytest.approx(1e5)
+
+
+def test_what_autocast_computes_in_float32_is_not_reported():
+    # A sum of squares beyond float16's range, and an RMS statistic of tiny values:
+    # autocast computes both in float32, so neither overflows nor caps the loss scale.
+    def f(w, x):
+        with jax.named_scope("rms"):
+            h = x @ w
+            return jnp.sqrt(jnp.mean(h * h)) * 1e-6
+
+    w, x = jnp.full((8, 8), 100.0), jnp.ones((4, 8))
+    report = jmp_policy.inspect_numerics(f, "mixed_float16", argnums=0)(w, x)
+    assert np.isfinite(jax.grad(jmp_policy.autocast(f, "mixed_float16"))(w, x)).all()
+    assert not any(r.overflow for r in report)
+    assert {r.primitive for r in report} <= {"convert_element_type", "dot_general"}
+    scale = report.suggest_loss_scale()
+    grads = jmp_policy.scaled_value_and_grad(jmp_policy.autocast(f, "mixed_float16"))(
+        scale, w, x)[1]
+    exact = jax.grad(f)(w, x)
+    assert np.isfinite(np.asarray(grads)).all()  # scaled, held in float16: none overflows
+    np.testing.assert_allclose(np.asarray(grads) / scale, exact, rtol=2e-2)
