@@ -28,6 +28,7 @@ float32; the operations downstream receive its inf and are not counted again.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -40,13 +41,13 @@ from typing import (
 import jax
 import numpy as np
 from jax.core import Tracer
-from jax.extend.core import ClosedJaxpr
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from jmp_policy.autocast import _modules
 from jmp_policy.autocast._api import _Call, autocast
 from jmp_policy.autocast._fp8 import Float8Like, Float8Recipe, as_recipe
 from jmp_policy.autocast._inspect import (
-    HostSink, Observer, Registry, dead_equations, display_scope, observe, phase_of)
+    HostSink, Observer, Registry, dead_equations, display_scope, observe, phase_of, rel_error)
 from jmp_policy.autocast._interpreter import higher_order_names
 from jmp_policy.autocast._lattice import F32, is_floating
 from jmp_policy.autocast._rules import parse_rules
@@ -103,6 +104,9 @@ class NumericsRow:
         operations.
       shapes: the shapes of its floating operands (``"16x64, 64x64"``), which
         tell apart operations of one primitive in one scope.
+      index: how many rows of the same scope, primitive, phase and shapes come
+        before it in program order (the query's and the key's products of an
+        attention layer: 0 and 1); the table shows it as ``dot_general#1``.
     """
 
     scope: str
@@ -120,6 +124,7 @@ class NumericsRow:
     fp8_saturated: Optional[int] = None
     fp8_flushed: Optional[int] = None
     shapes: str = ""
+    index: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,22 +306,53 @@ def inspect_numerics(
                 "report on the host, so call it outside jax.jit, grad and vmap.")
         wrt = _differentiated(positions, args, call, name)
         closed = _program_jaxpr(call, wrt, resolved, rules, recipe, name)
-        registry, runs = Registry(), [HostSink()]
-        observer = Observer(registry, _compute_dtype(resolved, call.values), lambda: runs[-1],
-                            dead_equations(closed.jaxpr))
-        program = jax.jit(lambda *values: observe(observer, closed, values))
+        compute = _compute_dtype(resolved, call.values)
+        # The jaxpr's text, scopes included, says what the program computes: a call that
+        # traces the same jaxpr (closures unchanged but for array values) reuses it.
+        key = (closed.jaxpr.pretty_print(name_stack=True), compute)
+        program = programs.pop(key, None) or _Program.of(closed.jaxpr, compute)
+        programs[key] = program
+        while len(programs) > _PROGRAMS:
+            programs.popitem(last=False)
 
         def run(scale: float) -> HostSink:
-            runs.append(HostSink(scale))
-            program(np.float32(scale), *call.values)
-            jax.effects_barrier()  # type: ignore[no-untyped-call]  # every callback delivered
-            return runs[-1]
+            return program.run(closed.consts, call.values, scale)
 
         first = run(1.0)
-        gradients = _gradients(registry, first, run) if wrt is not None else None
-        return _report(registry, first, meta, gradients)
+        gradients = _gradients(program.registry, first, run) if wrt is not None else None
+        return _report(program.registry, first, meta, gradients)
 
+    programs: collections.OrderedDict[tuple[str, Any], _Program] = collections.OrderedDict()
     return inspect
+
+
+_PROGRAMS = 4  # compiled inspections kept per inspect_numerics function, the oldest dropped
+
+
+@dataclasses.dataclass
+class _Program:
+    """The compiled inspection of one traced jaxpr, and the rows its trace numbered."""
+
+    registry: Registry
+    sinks: list[HostSink]  # where the run in progress delivers its statistics
+    program: Callable[..., Any]
+
+    @classmethod
+    def of(cls, jaxpr: Jaxpr, compute: Any) -> _Program:
+        registry, sinks = Registry(), list[HostSink]()
+        observer = Observer(registry, compute, lambda: sinks[-1], dead_equations(jaxpr))
+        program = jax.jit(lambda consts, *values: observe(observer, jaxpr, consts, values))
+        return cls(registry, sinks, program)
+
+    def run(self, consts: Sequence[Any], values: Sequence[Any], scale: float) -> HostSink:
+        """Runs the program with the loss scale ``scale``; returns its statistics."""
+        self.sinks.append(HostSink(scale))
+        try:
+            self.program(list(consts), np.float32(scale), *values)
+            jax.effects_barrier()  # type: ignore[no-untyped-call]  # every callback delivered
+            return self.sinks[-1]
+        finally:
+            self.sinks.pop()
 
 
 # Runs of the inspection at other loss scales, to measure gradients that the unscaled run
@@ -344,8 +380,9 @@ def _gradients(registry: Registry, first: HostSink,
 
 
 def _gradient_max(registry: Registry, sink: HostSink) -> float:
-    return max((s["f32_max"] for n, s in sink.stats.items() if registry.rows[n].gradient),
-               default=0.0) / sink.scale
+    top: float = max((s["f32_max"] if "f32_max" in s else s["max_abs"]
+                      for n, s in sink.stats.items() if registry.rows[n].gradient), default=0.0)
+    return top / sink.scale
 
 
 def _compute_dtype(policy: Policy, values: Sequence[Any]) -> Any:
@@ -449,39 +486,42 @@ def _recipe_name(recipe: Float8Recipe) -> str:
 
 def _report(registry: Registry, sink: HostSink, meta: _Meta,
             gradients: Optional[tuple[np.ndarray[Any, Any], float]]) -> NumericsReport:
-    rows = []
+    rows: list[NumericsRow] = []
+    seen: dict[tuple[str, str, str, str], int] = {}
     for number, info in enumerate(registry.rows):
         lo = sink.stats.get(number)
         if lo is None or lo["size"] == 0:  # not run: an untaken branch, an empty loop
             continue
         casts = [sink.stats.get(n, {}) for n in registry.fp8_casts.get(number, ())]
+        lo = {**_EXACT, "f32_max": lo["max_abs"], **lo}
         rows.append(NumericsRow(
             scope=display_scope(info.path), primitive=info.primitive,
             phase=phase_of(info.path), dtype=info.dtype,
             max_abs=lo["max_abs"], overflow=int(lo["overflow"]),
             underflow=_fraction(lo["underflow"], lo["nonzero"]),
             subnormal=_fraction(lo["subnormal"], lo["size"]),
-            rel_error=_relative(lo["err_sq"], lo["ref_sq"]),
+            rel_error=rel_error(lo),
             size=int(lo["size"]),
             float32_min=lo["f32_min"] if math.isfinite(lo["f32_min"]) else None,
             float32_max=lo["f32_max"],
             fp8_saturated=sum(int(c.get("overflow", 0)) for c in casts) if info.fp8 else None,
             fp8_flushed=sum(int(c.get("underflow", 0)) for c in casts) if info.fp8 else None,
             shapes=info.shapes))
+        same = (rows[-1].scope, rows[-1].primitive, rows[-1].phase, rows[-1].shapes)
+        rows[-1] = dataclasses.replace(rows[-1], index=seen.get(same, 0))
+        seen[same] = seen.get(same, 0) + 1
     if gradients is not None:
         meta = dataclasses.replace(meta, gradient_histogram=gradients[0],
                                    gradient_max=gradients[1])
     return NumericsReport(rows, meta)
 
 
+# The statistics of a result that is its own float32 evaluation (see `Result`).
+_EXACT = {"overflow": 0, "underflow": 0, "nonzero": 0}
+
+
 def _fraction(part: Any, whole: Any) -> float:
     return float(part) / float(whole) if float(whole) else 0.0
-
-
-def _relative(err_sq: float, ref_sq: float) -> float:
-    if ref_sq > 0:
-        return math.sqrt(err_sq / ref_sq)
-    return 0.0 if err_sq == 0 else math.inf
 
 
 def _finite_or_null(x: Any) -> Any:
@@ -552,6 +592,9 @@ def _table(rows: Sequence[NumericsRow], meta: _Meta) -> str:
     columns = _COLUMNS + (_FP8_COLUMNS if any(r.fp8_saturated is not None for r in rows) else ())
     cells = [[_cell(getattr(r, c)) if c not in ("scope", "shapes") else (getattr(r, c) or "-")
               for c in columns] for r in rows]
+    for line, r in zip(cells, rows):
+        if r.index:
+            line[1] += f"#{r.index}"
     widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(columns)]
     text = [" | ".join(c.ljust(w) if i < _LEFT else c.rjust(w)
                        for i, (c, w) in enumerate(zip(line, widths)))

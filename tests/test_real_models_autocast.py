@@ -44,15 +44,21 @@ def variants(model):
 
 @functools.cache
 def evaluate_all(name):
-    """``((loss, aux), grads)`` of every variant, train mode, one jitted program per model.
+    """``((loss, aux), grads)`` of every variant, train mode, one jitted program per model."""
+    return evaluate(name, variants(rm.MODELS[name]))
 
-    Every variant sees the same dropout masks: linen and Equinox from the same
+
+def evaluate(name, losses):
+    """``((loss, aux), grads)`` of each of ``losses`` (the model's loss signature), train
+    mode, in one jitted program.
+
+    Every loss sees the same dropout masks: linen and Equinox from the same
     key, NNX from a fresh module merged from the same state (its own Rngs).
     """
     model = rm.MODELS[name]
     k_init, k_batch, k_drop = jax.random.split(jax.random.key(0), 3)
     state, batch = model.init(k_init), model.batch(k_batch)
-    grads = {k: model.value_and_grad(f) for k, f in variants(model).items()}
+    grads = {k: model.value_and_grad(f) for k, f in losses.items()}
     if model.framework == "linen":
         params, rest = state["params"], {k: v for k, v in state.items() if k != "params"}
         program = jax.jit(lambda p, r, b, k: {n: g(p, r, b, k, True) for n, g in grads.items()})

@@ -27,7 +27,8 @@ call site.
 >>> closed = jax.make_jaxpr(f)(jnp.ones((2, 2)))
 >>> registry, sink = Registry(), HostSink()
 >>> observer = Observer(registry, np.dtype(jnp.float16), lambda: sink)
->>> _ = jax.jit(lambda x: observe(observer, closed, [x]))(jnp.full((2, 2), 7e4))
+>>> _ = jax.jit(lambda x: observe(observer, closed.jaxpr, closed.consts, [x]))(
+...     jnp.full((2, 2), 7e4))
 >>> jax.effects_barrier()
 >>> [(row.primitive, row.dtype) for row in registry.rows]
 [('convert_element_type', 'float16'), ('dot_general', 'float16'), ('tanh', 'float16')]
@@ -51,7 +52,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 
 from jmp_policy._dtypes import is_floating_dtype
 from jmp_policy.autocast._bits import (
-    I32, INF_BITS, as_float, below, finite_mask, magnitude_bits, positive, where_bits)
+    I32, INF_BITS, below, finite_mask, magnitude_bits, positive, where_bits)
 from jmp_policy.autocast._interpreter import Context, bind, eval_jaxpr, higher_order_names
 from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, is_floating, join, represents
 from jmp_policy.autocast._matmul import matmul
@@ -65,12 +66,15 @@ HISTOGRAM_BINS = 256
 """Bins of the gradient histogram: a float32's biased exponent (bin ``e`` holds
 magnitudes in ``[2**(e - 127), 2**(e - 126))``; bin 0 the float32 subnormals)."""
 
+# Sums of squares are kept at several scales (``err_sq@64`` is the sum of the squares of
+# the errors times 2**64): one of them is within float32's range (see `rel_error`).
+SQUARE_SCALES = (64, 0, -64)
+
 # How each statistic combines across iterations, branches and repeated call sites.
-# "scaled" sums are sums of squares relative to the "err_scale" of the same row.
 _REDUCTION: dict[str, str] = {
     "size": "sum", "max_abs": "max", "subnormal": "sum", "overflow": "sum",
-    "nonzero": "sum", "underflow": "sum", "err_scale": "max", "err_sq": "scaled",
-    "ref_sq": "scaled", "f32_min": "min", "f32_max": "max",
+    "nonzero": "sum", "underflow": "sum", "f32_min": "min", "f32_max": "max",
+    **{f"{name}@{k}": "sum" for name in ("err_sq", "ref_sq") for k in SQUARE_SCALES},
 }
 # Primitives whose results are values of their inputs, moved or selected: they can
 # neither overflow nor round, and add no new values to the gradient histogram.
@@ -168,7 +172,7 @@ class Registry:
 
 # The statistics are computed on the bits of float32 values, with integer arithmetic
 # only (see `_bits`); magnitudes leave the program as bit patterns.
-BIT_PATTERNS = frozenset({"max_abs", "f32_min", "f32_max", "err_scale"})
+BIT_PATTERNS = frozenset({"max_abs", "f32_min", "f32_max"})
 
 def _reduced(fields: Sequence[dict[str, jax.Array]]) -> list[Stats]:
     """Each array of each of ``fields`` (all of one shape) reduced as `_REDUCTION` says.
@@ -182,7 +186,7 @@ def _reduced(fields: Sequence[dict[str, jax.Array]]) -> list[Stats]:
     shape indexes it directly.
     """
     names = [(k, n) for k, f in enumerate(fields) for n in f]
-    hows = ["sum" if _REDUCTION[n] == "scaled" else _REDUCTION[n] for _, n in names]
+    hows = [_REDUCTION[n] for _, n in names]
     operands = [fields[k][n] for k, n in names]
     inits = [np.array(INF_BITS if h == "min" else 0, x.dtype) for h, x in zip(hows, operands)]
     ops = {"sum": lax.add, "max": lax.max, "min": lax.min}
@@ -208,29 +212,51 @@ def _result_fields(b: dict[str, jax.Array], tiny: float) -> dict[str, jax.Array]
     w = b["ref"] & b["ref_finite"]  # finite magnitudes; 0 for inf and NaN
     v = b["low"] & b["low_finite"]
     return {"max_abs": v,
-            "subnormal": positive(v) & below(v, np.float32(tiny).view(I32)),
-            "f32_min": w | (lax.shift_right_arithmetic(w - I32(1), I32(31)) & INF_BITS),
+            "subnormal": _subnormal(v, tiny),
+            "f32_min": _nonzero_or_inf(w),
             "f32_max": w,
             "overflow": (b["low_finite"] + 1) & b["ref_finite"],  # low inf/NaN, float32 finite
             "nonzero": positive(w),
-            "underflow": positive(w) & below(b["low"], 1),  # float32 nonzero, low zero
-            "err_scale": lax.max(v, w) & b["low_finite"] & b["ref_finite"]}
+            "underflow": positive(w) & below(b["low"], 1)}  # float32 nonzero, low zero
+
+
+def _subnormal(v: jax.Array, tiny: float) -> jax.Array:
+    """1 where the magnitude bits ``v`` are nonzero and below ``tiny``."""
+    return positive(v) & below(v, np.float32(tiny).view(I32))
+
+
+def _nonzero_or_inf(w: jax.Array) -> jax.Array:
+    """The magnitude bits ``w`` with zeros made inf's: their minimum is the smallest nonzero."""
+    return w | (lax.shift_right_arithmetic(w - I32(1), I32(31)) & INF_BITS)
 
 
 def _square_fields(values: tuple[Any, Any], b: dict[str, jax.Array],
-                   scale_bits: Optional[jax.Array]) -> dict[str, jax.Array]:
-    """The squared error and float32 values, over the elements finite in both, relative
-    to the magnitude ``scale_bits`` (``None``: absolute) so that values beyond 1e19 do
-    not overflow the sums."""
+                   scales: Sequence[int]) -> dict[str, jax.Array]:
+    """The squared errors and float32 values, over the elements finite in both, times
+    ``2**(2 * k)`` for each ``k`` of ``scales``: values beyond 1e19 overflow the
+    unscaled squares, values below 1e-19 underflow them."""
     r, x = (lax.convert_element_type(y, np.float32) for y in values)
     both = b["low_finite"] & b["ref_finite"]
-    d, rr = lax.sub(x, r), r
-    if scale_bits is not None:
-        scale = as_float(scale_bits)
-        inv = jnp.where(scale > 0, 1 / jnp.where(scale > 0, scale, 1), np.float32(0))
-        d, rr = lax.mul(d, inv), lax.mul(rr, inv)
-    d, rr = where_bits(both, d), where_bits(both, rr)
-    return {"err_sq": lax.mul(d, d), "ref_sq": lax.mul(rr, rr)}
+    d, rr = where_bits(both, lax.sub(x, r)), where_bits(both, r)
+    fields = {}
+    for k in scales:
+        f = np.float32(2.0 ** k)
+        dk, rk = (lax.mul(d, f), lax.mul(rr, f)) if k else (d, rr)
+        fields[f"err_sq@{k}"], fields[f"ref_sq@{k}"] = lax.mul(dk, dk), lax.mul(rk, rk)
+    return fields
+
+
+def rel_error(stats: Stats) -> float:
+    """The relative RMS error of a row's host statistics: from the sums of squares at the
+    largest scale whose sums are finite (the most resolution for small values)."""
+    for k in SQUARE_SCALES:
+        err, ref = stats.get(f"err_sq@{k}"), stats.get(f"ref_sq@{k}")
+        if err is None or ref is None or not (np.isfinite(err) and np.isfinite(ref)):
+            continue
+        if ref > 0:
+            return float(np.sqrt(err / ref))
+        return 0.0 if err == 0 else float("inf")
+    return 0.0
 
 
 
@@ -241,36 +267,37 @@ class Result:
     Attributes:
       number: its row.
       ref: the equation evaluated in float32 on the same inputs.
-      low: the result as the program computed it.
+      low: the result as the program computed it; ``None`` where that is ``ref``
+        (results in float32: the equation rounds nothing to low precision).
       tiny: the smallest normal magnitude of the dtype the equation ran in.
     """
 
     number: int
     ref: Any
-    low: Any
+    low: Optional[Any]
     tiny: float
 
 
 def result_stats(r: Result) -> Stats:
-    """The statistics of one result, in one or two reductions over it (one kernel each: a
-    kernel reducing several results at once compiles slower than one per result).
+    """The statistics of one result, in one reduction over it (one kernel: a kernel
+    reducing several results at once compiles slower than one per result).
     Magnitudes (``max_abs``, ``f32_min``...) are float32 bit patterns.
 
-    The sums of squares are relative to the largest magnitude (a second reduction)
-    unless the result's dtype bounds them: the values finite in float16 or float8 have
-    squares and sums far within float32's range.
+    The sums of squares are kept at the scales `SQUARE_SCALES` unless the result's
+    dtype bounds them: the values finite in float16 or float8 have squares and sums
+    far within float32's range.
     """
+    if r.low is None:  # the float32 result itself: its magnitudes only
+        v = magnitude_bits(r.ref)
+        v = v & finite_mask(v)
+        (stats,) = _reduced([{"max_abs": v, "subnormal": _subnormal(v, r.tiny),
+                              "f32_min": _nonzero_or_inf(v)}])
+        return {**stats, "size": jnp.asarray(np.size(r.ref), I32)}
     b = _value_bits(r.ref, r.low)
     bounded = float(jnp.finfo(dtype_of(r.low)).max) <= _BOUNDED  # type: ignore[no-untyped-call]
-    fields = _result_fields(b, r.tiny)
-    if bounded:  # absolute sums: relative to one
-        del fields["err_scale"]
-        (stats,) = _reduced([{**fields, **_square_fields((r.ref, r.low), b, None)}])
-        stats["err_scale"] = jnp.asarray(np.float32(1).view(I32))
-    else:
-        (stats,) = _reduced([fields])
-        (squares,) = _reduced([_square_fields((r.ref, r.low), b, stats["err_scale"])])
-        stats = {**stats, **squares}
+    scales = (0,) if bounded else SQUARE_SCALES
+    (stats,) = _reduced([{**_result_fields(b, r.tiny),
+                          **_square_fields((r.ref, r.low), b, scales)}])
     return {**stats, "size": jnp.asarray(np.size(r.ref), I32)}
 
 
@@ -331,23 +358,10 @@ def _bin_counts(values: Any) -> Any:
 def combine(a: Stats, b: Stats) -> Stats:
     """The statistics of two evaluations of one row (host numbers), as if of one."""
     out: Stats = {**a, **b}  # a statistic only one of them has is kept as it is
-    common = max(a.get("err_scale", 0.0), b.get("err_scale", 0.0))
     for name in a.keys() & b.keys():
         how, x, y = _REDUCTION[name], a[name], b[name]
-        if how == "sum":
-            out[name] = x + y
-        elif how == "max":
-            out[name] = max(x, y)
-        elif how == "min":
-            out[name] = min(x, y)
-        else:
-            out[name] = x * _ratio(a["err_scale"], common) + y * _ratio(b["err_scale"], common)
+        out[name] = x + y if how == "sum" else max(x, y) if how == "max" else min(x, y)
     return out
-
-
-def _ratio(scale: float, common: float) -> float:
-    """The factor taking sums of squares relative to ``scale`` to ``common``."""
-    return (scale / common) ** 2 if common > 0 else 0.0
 
 
 # --- The observer -----------------------------------------------------------------------------
@@ -386,21 +400,25 @@ class Observer:
                  outs: Sequence[Any]) -> None:
         if id(eqn) in self.dead or eqn.primitive.name in self._higher_order:
             return  # a higher-order primitive's equations were observed one by one
-        if _sub_jaxprs(eqn):
-            self._warn_unvisited(eqn.primitive.name)
+        if _sub_jaxprs(eqn) and eqn.primitive.name not in _TRACED:  # a scatter's combiner
+            self._warn_unvisited(eqn.primitive.name)                  # is not a body
             return
         floats = [i for i, v in enumerate(eqn.outvars) if _floating_aval(v)]
         if not floats or not _runs_narrow(eqn) or _preserves_values(eqn) or not any(
                 _floating_aval(v) for v in eqn.invars):
             return  # it loses nothing against float32 (or makes its values: empty, iota)
-        refs = _float32_bind(eqn, list(invals))
+        # Results in float32 from narrow operands (a product accumulated in float32) are
+        # what the equation computes in float32: nothing to evaluate again.
+        exact = all(represents(_dtype(eqn.outvars[i]), F32) for i in floats)
+        refs = list(outs) if exact else _float32_bind(eqn, list(invals))
         info = self._info(eqn, ctx.scope)
         number = self.registry.number(eqn, info)
         # A float8 product's result is rescaled and continues in the compute dtype: its
         # subnormals are the compute dtype's.
         tiny = float(jnp.finfo(self.compute if info.fp8 else _ran_in(eqn)[0]).tiny)  # type: ignore[no-untyped-call]
         level = self._levels[-1]
-        level.results.extend(Result(number, refs[i], outs[i], tiny) for i in floats)
+        level.results.extend(Result(number, refs[i], None if exact else outs[i], tiny)
+                             for i in floats)
         if info.gradient:
             level.samples.extend(_sample(refs[i]) for i in floats)
         self._link_fp8(eqn, invals, outs, number, info)
@@ -461,12 +479,13 @@ class Observer:
             stacklevel=4)
 
 
-def observe(observer: Observer, closed: ClosedJaxpr, values: Sequence[Any]) -> list[Any]:
-    """Evaluates ``closed`` (a program autocast already rewrote) on ``values`` as traced,
-    with ``observer`` watching every equation; returns its outputs."""
+def observe(observer: Observer, jaxpr: Jaxpr, consts: Sequence[Any],
+            values: Sequence[Any]) -> list[Any]:
+    """Evaluates ``jaxpr`` (a program autocast already rewrote) on ``consts`` and ``values``
+    as traced, with ``observer`` watching every equation; returns its outputs."""
     ctx = Context(observer.compute, parse_rules(None), matmul, observe=observer, as_traced=True,
                   observe_jaxpr=observer.jaxpr)
-    return eval_jaxpr(ctx, closed.jaxpr, closed.consts, values)
+    return eval_jaxpr(ctx, jaxpr, consts, values)
 
 
 def dead_equations(jaxpr: Jaxpr) -> frozenset[int]:
