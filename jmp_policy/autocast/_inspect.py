@@ -174,16 +174,16 @@ class Registry:
 # only (see `_bits`); magnitudes leave the program as bit patterns.
 BIT_PATTERNS = frozenset({"max_abs", "f32_min", "f32_max"})
 
-def _reduced(fields: Sequence[dict[str, jax.Array]]) -> list[Stats]:
-    """Each array of each of ``fields`` (all of one shape) reduced as `_REDUCTION` says.
+def _reduced(fields: Sequence[dict[str, jax.Array]], first: int = 0) -> list[Stats]:
+    """Each array of each of ``fields`` (all of one shape) reduced as `_REDUCTION` says,
+    over every axis from ``first`` on.
 
-    One variadic reduction over every axis: XLA emits a single loop nest over
-    the elements for all of them, one kernel to compile where a reduction per
-    statistic, or per result, would be a kernel each. The arrays keep their
-    shape: XLA fuses the operations that produced the values into the loop,
-    and a broadcast or transpose fused into a loop over a flattened array
-    would recover every element's position by division, a loop over the
-    shape indexes it directly.
+    One variadic reduction: XLA emits a single loop nest over the elements for
+    all of them, one kernel to compile where a reduction per statistic would be
+    a kernel each. The arrays keep their shape: XLA fuses the operations that
+    produced the values into the loop, and a broadcast or transpose fused into
+    a loop over a flattened array would recover every element's position by
+    division, a loop over the shape indexes it directly.
     """
     names = [(k, n) for k, f in enumerate(fields) for n in f]
     hows = [_REDUCTION[n] for _, n in names]
@@ -194,7 +194,7 @@ def _reduced(fields: Sequence[dict[str, jax.Array]]) -> list[Stats]:
     def computation(a: Sequence[jax.Array], b: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
         return tuple(ops[h](x, y) for h, x, y in zip(hows, a, b))
 
-    outs = lax.reduce(operands, inits, computation, tuple(range(operands[0].ndim)))
+    outs = lax.reduce(operands, inits, computation, tuple(range(first, operands[0].ndim)))
     reduced: list[Stats] = [{} for _ in fields]
     for (k, n), x in zip(names, outs):
         reduced[k][n] = x
@@ -208,7 +208,7 @@ def _value_bits(ref: Any, low: Any) -> dict[str, jax.Array]:
 
 
 def _result_fields(b: dict[str, jax.Array], tiny: float) -> dict[str, jax.Array]:
-    """The arrays reduced into one result's statistics (see `result_stats`)."""
+    """The arrays reduced into one result's statistics (see `grouped_stats`)."""
     w = b["ref"] & b["ref_finite"]  # finite magnitudes; 0 for inf and NaN
     v = b["low"] & b["low_finite"]
     return {"max_abs": v,
@@ -278,27 +278,47 @@ class Result:
     tiny: float
 
 
-def result_stats(r: Result) -> Stats:
-    """The statistics of one result, in one reduction over it (one kernel: a kernel
-    reducing several results at once compiles slower than one per result).
-    Magnitudes (``max_abs``, ``f32_min``...) are float32 bit patterns.
+def grouped_stats(results: Sequence[Result]) -> list[tuple[list[int], Stats]]:
+    """The statistics of ``results``: for each group of results of one shape and dtypes,
+    their rows and statistics (arrays with one entry per result, magnitudes as float32
+    bit patterns).
 
-    The sums of squares are kept at the scales `SQUARE_SCALES` unless the result's
-    dtype bounds them: the values finite in float16 or float8 have squares and sums
-    far within float32's range.
+    A group's results are stacked and reduced by one kernel: the kernels to compile
+    are few (the results of a transformer block share a few shapes). A group holds at
+    most `GROUP` results, which bounds the memory a stack may take. The sums of squares are kept at the scales `SQUARE_SCALES` unless the
+    dtype bounds them: the values finite in float16 or float8 have squares and sums far
+    within float32's range.
     """
-    if r.low is None:  # the float32 result itself: its magnitudes only
-        v = magnitude_bits(r.ref)
+    groups: dict[tuple[Any, ...], list[Result]] = {}
+    for r in results:
+        key = (np.shape(r.ref), dtype_of(r.ref), None if r.low is None else dtype_of(r.low),
+               r.tiny)
+        groups.setdefault(key, []).append(r)
+    chunks = [group[i:i + GROUP] for group in groups.values() for i in range(0, len(group), GROUP)]
+    return [([r.number for r in chunk], _group_stats(chunk)) for chunk in chunks]
+
+
+GROUP = 8
+"""At most this many results are reduced together (see `grouped_stats`)."""
+
+
+def _group_stats(group: Sequence[Result]) -> Stats:
+    ref = jnp.stack([r.ref for r in group])
+    size = jnp.full(len(group), np.size(group[0].ref), I32)
+    low, tiny = group[0].low, group[0].tiny
+    if low is None:  # float32 results themselves: their magnitudes only
+        v = magnitude_bits(ref)
         v = v & finite_mask(v)
-        (stats,) = _reduced([{"max_abs": v, "subnormal": _subnormal(v, r.tiny),
-                              "f32_min": _nonzero_or_inf(v)}])
-        return {**stats, "size": jnp.asarray(np.size(r.ref), I32)}
-    b = _value_bits(r.ref, r.low)
-    bounded = float(jnp.finfo(dtype_of(r.low)).max) <= _BOUNDED  # type: ignore[no-untyped-call]
+        (stats,) = _reduced([{"max_abs": v, "subnormal": _subnormal(v, tiny),
+                              "f32_min": _nonzero_or_inf(v)}], first=1)
+        return {**stats, "size": size}
+    low = jnp.stack([r.low for r in group if r.low is not None])
+    b = _value_bits(ref, low)
+    bounded = float(jnp.finfo(dtype_of(low)).max) <= _BOUNDED  # type: ignore[no-untyped-call]
     scales = (0,) if bounded else SQUARE_SCALES
-    (stats,) = _reduced([{**_result_fields(b, r.tiny),
-                          **_square_fields((r.ref, r.low), b, scales)}])
-    return {**stats, "size": jnp.asarray(np.size(r.ref), I32)}
+    (stats,) = _reduced([{**_result_fields(b, tiny), **_square_fields((ref, low), b, scales)}],
+                        first=1)
+    return {**stats, "size": size}
 
 
 _BOUNDED = float(np.finfo(np.float16).max)
@@ -335,15 +355,18 @@ class HostSink:
         self.stats: dict[int, Stats] = {}
         self.histogram = np.zeros(HISTOGRAM_BINS, np.int64)
 
-    def add(self, numbers: Sequence[int], stats: Sequence[Stats], samples: Sequence[Any],
-            strides: Sequence[int]) -> None:
-        """Adds the statistics of rows ``numbers`` and samples of gradient values, each
-        standing for ``strides`` values (what one evaluation of a jaxpr delivers)."""
-        for number, result in zip(numbers, stats):
-            new = {k: float(np.asarray(v).view(np.float32)) if k in BIT_PATTERNS
-                   else np.asarray(v).item() for k, v in result.items()}
-            old = self.stats.get(number)
-            self.stats[number] = new if old is None else combine(old, new)
+    def add(self, groups: Sequence[Sequence[int]], stats: Sequence[Stats],
+            samples: Sequence[Any], strides: Sequence[int]) -> None:
+        """Adds the statistics of groups of rows (see `grouped_stats`) and samples of
+        gradient values, each standing for ``strides`` values (what one evaluation of a
+        jaxpr delivers)."""
+        for numbers, group in zip(groups, stats):
+            arrays = {k: np.asarray(v).view(np.float32) if k in BIT_PATTERNS else np.asarray(v)
+                      for k, v in group.items()}
+            for j, number in enumerate(numbers):
+                new = {k: v[j].item() for k, v in arrays.items()}
+                old = self.stats.get(number)
+                self.stats[number] = new if old is None else combine(old, new)
         for values, stride in zip(samples, strides):
             self.histogram += stride * _bin_counts(np.asarray(values) / self.scale)
 
@@ -433,14 +456,15 @@ class Observer:
             level = self._levels[-1]
             if not level.results:
                 return
-            numbers = [r.number for r in level.results]
+            grouped = grouped_stats(level.results)
+            groups = [numbers for numbers, _ in grouped]
             strides = [stride for _, stride in level.samples]
             sink = self.sink
 
             def deliver(stats: list[Stats], samples: list[Any]) -> None:
-                sink().add(numbers, stats, samples, strides)
+                sink().add(groups, stats, samples, strides)
 
-            jax.debug.callback(deliver, [result_stats(r) for r in level.results],
+            jax.debug.callback(deliver, [stats for _, stats in grouped],
                                [v for v, _ in level.samples])
         finally:
             self._levels.pop()
