@@ -51,6 +51,8 @@ from jmp_policy.low_precision import (
 )
 from jmp_policy.autocast import Float8Recipe
 from jmp_policy.inspector import NumericsReport, inspect_numerics
+from jmp_policy.quantized_state import (
+    QuantizedArray, QuantizedState, dequantize, quantize_state)
 
 __version__ = "0.1.0"
 
@@ -66,6 +68,8 @@ __all__ = [
     "NumericsReport",
     "Policy",
     "PolicyMap",
+    "QuantizedArray",
+    "QuantizedState",
     "SplitState",
     "StaticLossScale",
     "StochasticRoundingState",
@@ -75,6 +79,7 @@ __all__ = [
     "cast_to_full",
     "cast_state",
     "cast_to_half",
+    "dequantize",
     "dtype_policy",
     "get_loss_scale",
     "get_policy",
@@ -85,6 +90,7 @@ __all__ = [
     "low_precision_params",
     "master_params",
     "policy_scope",
+    "quantize_state",
     "scaled_value_and_grad",
     "select_tree",
     "set_dtype_policy",
