@@ -50,8 +50,8 @@ import numpy as np
 import optax
 
 from jmp_policy.low_precision import (
-    ROUNDINGS, Seed, _check_choice, _key_data, _leaf_seeds, _refuse_inner_loss_scaling,
-    _split_key)
+    ROUNDINGS, Seed, _check_choice, _key_data, _leaf_seeds, _noise16,
+    _refuse_inner_loss_scaling, _split_key)
 
 VALUES = jnp.float8_e4m3fn
 _MAX = 448.0  # float8_e4m3fn's largest value
@@ -169,8 +169,8 @@ def quantize(x: Any, block_size: int, seed: Optional[jax.Array] = None) -> Quant
     y = blocks * inv
     if seed is None:
         q = y.astype(VALUES)
-    else:
-        u = jax.random.uniform(jax.random.key(seed[0] ^ seed[1]), y.shape, jnp.float32)
+    else:  # noise hashed from each value's index, in the kernel that rounds
+        u = _noise16(seed, y.shape).astype(jnp.float32) * 2.0 ** -16
         q = _stochastic(y, u).astype(VALUES)
     # Nonzero stays nonzero: the smallest float8 magnitude, with the value's sign.
     q = jnp.where((q == 0) & (y != 0), jnp.sign(y) * _SMALLEST, q.astype(jnp.float32))

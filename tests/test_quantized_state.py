@@ -189,3 +189,59 @@ def test_loss_scaling_inside_is_refused():
     inner = jmp_policy.loss_scaling(optax.adam(1e-3), 2.0 ** 8)
     with pytest.raises(ValueError, match="loss_scaling outside"):
         quantize_state(inner).init({"w": jnp.zeros(3)})
+
+
+_SHARDED = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np, optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jmp_policy
+
+mesh = jax.make_mesh((2, 4), ("data", "model"))
+spec = {"w": P("data", "model"), "v": P(None, "model")}
+params = {"w": jnp.ones((16, 4 * 512)), "v": jnp.ones((8, 4 * 256))}
+grads = jax.tree.map(lambda p: jnp.linspace(-1, 1, p.size).reshape(p.shape), params)
+tx = jmp_policy.quantize_state(optax.adam(1e-2), min_size=0)
+put = lambda tree: jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, spec)
+
+def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+single = jax.jit(step)(params, tx.init(params), grads)
+with jax.set_mesh(mesh):
+    state = jax.jit(tx.init)(put(params))
+    compiled = jax.jit(step).lower(put(params), state, put(grads)).compile()
+    sharded = compiled(put(params), state, put(grads))
+text = compiled.as_text()
+mu = sharded[1].inner_state[0].mu
+facts = {
+    "collectives": [op for op in ("all-gather", "all-to-all", "collective-permute")
+                    if op in text],
+    "values_like_params": all(mu[k].values.sharding.is_equivalent_to(
+        NamedSharding(mesh, spec[k]), 2) for k in spec),
+    "scales_like_params": all(mu[k].scales.sharding.is_equivalent_to(
+        NamedSharding(mesh, spec[k]), 2) for k in spec),
+    "same_as_one_device": all(np.asarray(a).tobytes() == np.asarray(b).tobytes()
+                              for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single))),
+}
+json.dump(facts, open(sys.argv[1], "w"))
+"""
+
+
+def test_quantized_states_stay_sharded_like_their_parameters(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script, out = tmp_path / "sharded.py", tmp_path / "facts.json"
+    script.write_text(_SHARDED)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + " --xla_force_host_platform_device_count=8")
+    proc = subprocess.run([sys.executable, str(script), str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(out.read_text()) == {
+        "collectives": [], "values_like_params": True, "scales_like_params": True,
+        "same_as_one_device": True}
