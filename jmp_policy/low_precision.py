@@ -71,14 +71,10 @@ class KahanState(NamedTuple):
       inner_state: the wrapped optimizer's state.
       compensation: per low-precision parameter, in its dtype, what rounding
         the weight took away (``optax.MaskedNode()`` for float32 parameters).
-      applied: a uint32 fingerprint of the low-precision weights its last update
-        produced (or ``init`` saw): the next update compares the weights it is
-        given, to tell a transformation placed after this one.
     """
 
     inner_state: optax.OptState
     compensation: optax.Params
-    applied: jax.Array
 
 
 class StochasticRoundingState(NamedTuple):
@@ -88,14 +84,10 @@ class StochasticRoundingState(NamedTuple):
       inner_state: the wrapped optimizer's state.
       key: the raw data (``jax.random.key_data``) of the PRNG key of the next
         step; each step splits it, so no two steps round alike.
-      applied: a uint32 fingerprint of the low-precision weights its last update
-        produced (or ``init`` saw): the next update compares the weights it is
-        given, to tell a transformation placed after this one.
     """
 
     inner_state: optax.OptState
     key: jax.Array
-    applied: jax.Array
 
 
 class SplitState(NamedTuple):
@@ -106,14 +98,10 @@ class SplitState(NamedTuple):
       low_bits: per bfloat16 parameter, a uint16 array of the low 16 bits of
         the float32 weight whose high 16 bits are the parameter
         (``optax.MaskedNode()`` for float32 parameters).
-      applied: a uint32 fingerprint of the low-precision weights its last update
-        produced (or ``init`` saw): the next update compares the weights it is
-        given, to tell a transformation placed after this one.
     """
 
     inner_state: optax.OptState
     low_bits: optax.Params
-    applied: jax.Array
 
 
 class CastState(NamedTuple):
@@ -186,16 +174,13 @@ def low_precision_params(
         handled = _handled_leaves(params, method, warn=True)
         inner_state = inner.init(_widened(params, handled))
         _refuse_inner_loss_scaling("low_precision_params", inner_state)
-        applied = _fingerprint(params, handled)
         if method == "kahan":
             # -0.0, the additive identity: x + (-0.0) is x for every x, -0.0 included.
-            return KahanState(inner_state, _buffers(params, handled, lambda p: -jnp.zeros_like(p)),
-                              applied)
+            return KahanState(inner_state, _buffers(params, handled, lambda p: -jnp.zeros_like(p)))
         if method == "split":
             return SplitState(inner_state,
-                              _buffers(params, handled, lambda p: jnp.zeros_like(p, jnp.uint16)),
-                              applied)
-        return StochasticRoundingState(inner_state, key, applied)
+                              _buffers(params, handled, lambda p: jnp.zeros_like(p, jnp.uint16)))
+        return StochasticRoundingState(inner_state, key)
 
     def update_fn(
         grads: optax.Updates,
@@ -205,24 +190,20 @@ def low_precision_params(
     ) -> Tuple[optax.Updates, LowPrecisionState]:
         _check_update_args(method, state, params)
         handled = _handled_leaves(params, method)
-        _check_buffers_match(method, state, handled)
-        _warn_if_changed(method, _fingerprint(params, handled) != state.applied)
         grads = _widened(grads, handled)
         seen = _params_seen_by_inner(params, state, handled)
         updates, inner_state = inner.update(grads, state.inner_state, seen, **extra_args)
         if isinstance(state, KahanState):
-            updates, compensation, weights = _per_leaf(_kahan_step, handled, params, updates,
-                                                       state.compensation)
-            new: LowPrecisionState = KahanState(inner_state, compensation, state.applied)
-        elif isinstance(state, SplitState):
-            updates, low_bits, weights = _per_leaf(_split_step, handled, seen, updates, params)
-            new = SplitState(inner_state, low_bits, state.applied)
-        else:
-            next_key, step_key = _split_key(state.key, impl)
-            seeds = _leaf_seeds(step_key, params)
-            updates, _, weights = _per_leaf(_stochastic_step, handled, params, updates, seeds)
-            new = StochasticRoundingState(inner_state, next_key, state.applied)
-        return updates, new._replace(applied=_fingerprint(weights, handled))
+            updates, compensation = _per_leaf(_kahan_step, handled, params, updates,
+                                              state.compensation)
+            return updates, KahanState(inner_state, compensation)
+        if isinstance(state, SplitState):
+            updates, low_bits = _per_leaf(_split_step, handled, seen, updates, params)
+            return updates, SplitState(inner_state, low_bits)
+        next_key, step_key = _split_key(state.key, impl)
+        seeds = _leaf_seeds(step_key, params)
+        updates, _ = _per_leaf(_stochastic_step, handled, params, updates, seeds)
+        return updates, StochasticRoundingState(inner_state, next_key)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -322,8 +303,7 @@ def master_params(params: optax.Params, opt_state: optax.OptState) -> optax.Para
 # for ``optax.apply_updates`` and the parameter's new buffer.
 # --------------------------------------------------------------------------- #
 
-def _kahan_step(p: jax.Array, update: jax.Array,
-                c: jax.Array) -> Tuple[jax.Array, jax.Array, jax.Array]:
+def _kahan_step(p: jax.Array, update: jax.Array, c: jax.Array) -> Tuple[jax.Array, jax.Array]:
     # The small terms first, so that an update far below the weight's
     # precision still adds to the compensation.
     total = p.astype(jnp.float32) + (c.astype(jnp.float32) + update)
@@ -334,46 +314,39 @@ def _kahan_step(p: jax.Array, update: jax.Array,
     # the compensation is right even where that is not the nearest value.
     rest = total - new.astype(jnp.float32)
     rest = jnp.where(jnp.isfinite(new) & (rest != 0), rest, -0.0)
-    return to_new, rest.astype(p.dtype), new
+    return to_new, rest.astype(p.dtype)
 
 
-def _stochastic_step(p: jax.Array, update: jax.Array,
-                     seed: jax.Array) -> Tuple[jax.Array, None, jax.Array]:
+def _stochastic_step(p: jax.Array, update: jax.Array, seed: jax.Array) -> Tuple[jax.Array, None]:
     new = _stochastic_round(p.astype(jnp.float32) + update, p.dtype, seed)
-    return _update_to(p, new), None, new
+    return _update_to(p, new), None
 
 
-def _split_step(weight: jax.Array, update: jax.Array,
-                p: jax.Array) -> Tuple[jax.Array, jax.Array, jax.Array]:
+def _split_step(weight: jax.Array, update: jax.Array, p: jax.Array) -> Tuple[jax.Array, jax.Array]:
     # The same float32 addition optax.apply_updates makes on float32 weights.
     high, low = _split_float32(jnp.asarray(weight + update).astype(jnp.float32))
-    return _update_to(p, high), low, high
+    return _update_to(p, high), low
 
 
 class _Pair:
-    """An update, a buffer and the new weight: not a pytree, so a leaf of the tree
-    `_per_leaf` builds."""
+    """An update and a buffer: not a pytree, so a leaf of the tree `_per_leaf` builds."""
 
-    def __init__(self, update: Any, buffer: Any, weight: Any = None):
-        self.update, self.buffer, self.weight = update, buffer, weight
+    def __init__(self, update: Any, buffer: Any):
+        self.update, self.buffer = update, buffer
 
 
-def _per_leaf(step: Callable[..., Tuple[Any, Any, Any]], handled: Any,
-              *trees: Any) -> Tuple[Any, Any, Any]:
-    """``step`` on every handled leaf: (updates, buffers, the weights optax.apply_updates
-    will make); other leaves pass through.
+def _per_leaf(step: Callable[..., Tuple[Any, Any]], handled: Any, *trees: Any) -> Tuple[Any, Any]:
+    """``step`` on every handled leaf: (updates, buffers); other leaves pass through.
 
     ``trees[1]`` holds the inner updates, which unhandled leaves take as they are;
-    their buffer and weight are ``optax.MaskedNode()``.
+    their buffer is ``optax.MaskedNode()``.
     """
     def leaf(is_handled: bool, *args: Any) -> _Pair:
-        if is_handled:
-            return _Pair(*step(*args))
-        return _Pair(args[1], optax.MaskedNode(), optax.MaskedNode())
+        return _Pair(*step(*args)) if is_handled else _Pair(args[1], optax.MaskedNode())
 
     pairs = jax.tree_util.tree_map(leaf, handled, *trees)
-    return tuple(jax.tree_util.tree_map(lambda pair, name=name: getattr(pair, name), pairs)
-                 for name in ("update", "buffer", "weight"))
+    return (jax.tree_util.tree_map(lambda pair: pair.update, pairs),
+            jax.tree_util.tree_map(lambda pair: pair.buffer, pairs))
 
 
 # --------------------------------------------------------------------------- #
@@ -510,53 +483,6 @@ def _handled_leaves(params: Any, method: str, warn: bool = False) -> Any:
             "e.g. with jmp_policy.Policy('params=bfloat16,compute=bfloat16').cast_to_param(params).",
             UserWarning, stacklevel=3)
     return flags
-
-
-def _fingerprint(params: Any, handled: Any) -> jax.Array:
-    """The sum (mod 2**32) of the bit patterns of the handled leaves of ``params``: a weight
-    moved by another update than the one low_precision_params made changes it."""
-    total = jnp.zeros((), jnp.uint32)
-    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-    for h, p in zip(jax.tree_util.tree_leaves(handled), leaves):
-        if h:
-            total = total + jnp.sum(_bits(jnp.asarray(p)).astype(jnp.uint32), dtype=jnp.uint32)
-    return total
-
-
-def _warn_if_changed(method: str, changed: jax.Array) -> None:
-    """Warns, from the running program, when the weights are not those the last update made."""
-    def warn() -> None:
-        warnings.warn(
-            f"low_precision_params({method!r}): the parameters are not the weights its last "
-            "update produced: a transformation after it changed the updates (optax.scale, a "
-            "learning rate or clipping placed after it), or they were applied otherwise. Put "
-            "every transformation inside it, low_precision_params(optax.chain(...)), and apply "
-            "its updates with optax.apply_updates; the weights and master_params are otherwise "
-            "no better than plain bfloat16 rounding.", UserWarning, stacklevel=2)
-
-    jax.lax.cond(changed, lambda: jax.debug.callback(warn), lambda: None)
-
-
-def _check_buffers_match(method: str, state: Any, handled: Any) -> None:
-    """A parameter with a buffer must still be low-precision: float32 ones mean the updates
-    were added with a promoting sum, which drops the buffer."""
-    buffers = {"kahan": "compensation", "split": "low_bits"}.get(method)
-    if buffers is None:
-        return
-    tree = getattr(state, buffers)
-    flat_h = jax.tree_util.tree_leaves(handled)
-    flat_b = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-    if len(flat_h) != len(flat_b):
-        raise ValueError(f"low_precision_params({method!r}): the parameters' structure differs "
-                         "from the one init saw.")
-    for h, b in zip(flat_h, flat_b):
-        if not h and not isinstance(b, optax.MaskedNode):
-            raise TypeError(
-                f"low_precision_params({method!r}): a parameter that was bfloat16 (or float16) "
-                "when the state was made is now float32 or wider: the updates were added with "
-                "a sum that promotes (jax.tree.map(lambda p, u: p + u, ...) gives float32 for "
-                "a bfloat16 weight and a float32 update), which drops its buffer. Apply the "
-                "updates with optax.apply_updates, which keeps every parameter's dtype.")
 
 
 def _widened(tree: Any, handled: Any) -> Any:

@@ -189,9 +189,6 @@ def test_stochastic_rounding_is_unbiased(dtype, compile):
         assert abs(values.mean() - float(t)) <= 5 * sigma
 
 
-# The second step is fed the first step's weights again, deliberately: the
-# transformation says so (test_misuse_*), which is not what this test is about.
-@pytest.mark.filterwarnings("ignore:low_precision_params.*not the weights")
 def test_stochastic_rounding_is_reproducible_and_differs_across_steps():
     params = {"w": jnp.ones(4096, BF16)}
     grads = {"w": jnp.full(4096, 2.0**-9)}  # half an ulp: up or down at even odds
@@ -624,57 +621,3 @@ def test_master_params_needs_exactly_one_state():
     nested = jmp_policy.loss_scaling(_optimizer("split"))
     master = jmp_policy.master_params(params, nested.init(params))
     assert_bitwise_equal(master, {"w": jnp.ones(2, jnp.float32)})
-
-
-
-# --------------------------------------------------------------------------- #
-# Misuse: updates changed after low_precision_params, or applied otherwise.
-# --------------------------------------------------------------------------- #
-
-def _steps(tx, apply, steps=3, method_params=None):
-    params = method_params or {"w": jnp.linspace(-1, 1, 64, dtype=BF16), "s": jnp.ones(3)}
-    state = tx.init(params)
-
-    @jax.jit
-    def update(params, state):
-        grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-2, jnp.float32), params)
-        return tx.update(grads, state, params)
-
-    for _ in range(steps):
-        updates, state = update(params, state)
-        params = apply(params, updates)
-    jax.effects_barrier()
-    return params, state
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_misuse_a_transformation_after_it_warns(method):
-    tx = optax.chain(jmp_policy.low_precision_params(optax.sgd(1.0), method), optax.scale(0.5))
-    with pytest.warns(UserWarning, match=r"not the weights its last update produced.*inside it"):
-        _steps(tx, optax.apply_updates)
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_used_as_documented_it_says_nothing(method):
-    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
-    tx = optax.MultiSteps(jmp_policy.loss_scaling(
-        jmp_policy.low_precision_params(inner, method), 2.0 ** 4), every_k_schedule=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _steps(tx, optax.apply_updates, steps=5)
-
-
-def _promoting_sum(params, updates):
-    return jax.tree.map(lambda p, u: p + u, params, updates)
-
-
-@pytest.mark.parametrize("method", ["kahan", "split"])
-def test_misuse_a_promoting_sum_is_an_error_where_a_buffer_is_dropped(method):
-    with pytest.raises(TypeError, match="optax.apply_updates, which keeps every parameter"):
-        _steps(jmp_policy.low_precision_params(optax.sgd(1.0), method), _promoting_sum)
-
-
-def test_misuse_a_promoting_sum_warns_for_stochastic_rounding():
-    tx = jmp_policy.low_precision_params(optax.sgd(1.0), "stochastic")
-    with pytest.warns(UserWarning, match="not the weights its last update produced"):
-        _steps(tx, _promoting_sum)
