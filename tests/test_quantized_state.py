@@ -245,3 +245,20 @@ def test_quantized_states_stay_sharded_like_their_parameters(tmp_path):
     assert json.loads(out.read_text()) == {
         "collectives": [], "values_like_params": True, "scales_like_params": True,
         "same_as_one_device": True}
+
+
+def test_orbax_checkpoint_resumes_bit_identically(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tx = jmp_policy.loss_scaling(quantize_state(optax.adam(1e-2), min_size=0), "mixed_float16")
+    params = {"w": jnp.ones((2, 512))}
+    grads = {"w": jnp.asarray(RNG.randn(2, 512).astype(np.float32))}
+    step = jax.jit(lambda s: tx.update(grads, s, params))
+    state = tx.init(params)
+    for _ in range(2):
+        _, state = step(state)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", state)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "ckpt", jax.eval_shape(lambda: state))
+    assert restored.inner_state.inner_state[0].mu["w"].values.dtype == jnp.float8_e4m3fn
+    chex.assert_trees_all_equal(step(restored), step(state))
