@@ -84,10 +84,14 @@ class StochasticRoundingState(NamedTuple):
       inner_state: the wrapped optimizer's state.
       key: the raw data (``jax.random.key_data``) of the PRNG key of the next
         step; each step splits it, so no two steps round alike.
+      dtypes: per low-precision parameter, a zero of its dtype
+        (``optax.MaskedNode()`` for float32 parameters): what the next update
+        checks the parameters against.
     """
 
     inner_state: optax.OptState
     key: jax.Array
+    dtypes: optax.Params
 
 
 class SplitState(NamedTuple):
@@ -180,7 +184,8 @@ def low_precision_params(
         if method == "split":
             return SplitState(inner_state,
                               _buffers(params, handled, lambda p: jnp.zeros_like(p, jnp.uint16)))
-        return StochasticRoundingState(inner_state, key)
+        return StochasticRoundingState(
+            inner_state, key, _buffers(params, handled, lambda p: jnp.zeros((), p.dtype)))
 
     def update_fn(
         grads: optax.Updates,
@@ -190,6 +195,7 @@ def low_precision_params(
     ) -> Tuple[optax.Updates, LowPrecisionState]:
         _check_update_args(method, state, params)
         handled = _handled_leaves(params, method)
+        _check_still_narrow(method, state, handled)
         grads = _widened(grads, handled)
         seen = _params_seen_by_inner(params, state, handled)
         updates, inner_state = inner.update(grads, state.inner_state, seen, **extra_args)
@@ -203,7 +209,7 @@ def low_precision_params(
         next_key, step_key = _split_key(state.key, impl)
         seeds = _leaf_seeds(step_key, params)
         updates, _ = _per_leaf(_stochastic_step, handled, params, updates, seeds)
-        return updates, StochasticRoundingState(inner_state, next_key)
+        return updates, StochasticRoundingState(inner_state, next_key, state.dtypes)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -293,7 +299,8 @@ def master_params(params: optax.Params, opt_state: optax.OptState) -> optax.Para
     (Array([1], dtype=bfloat16), Array([1.0002441], dtype=float32))
     """
     state = _low_precision_state(opt_state)
-    method = {KahanState: "kahan", SplitState: "split"}.get(type(state), "stochastic")
+    methods: dict[type, str] = {KahanState: "kahan", SplitState: "split"}
+    method = methods.get(type(state), "stochastic")
     handled = _handled_leaves(params, method)
     return _params_seen_by_inner(params, state, handled)
 
@@ -483,6 +490,25 @@ def _handled_leaves(params: Any, method: str, warn: bool = False) -> Any:
             "e.g. with jmp_policy.Policy('params=bfloat16,compute=bfloat16').cast_to_param(params).",
             UserWarning, stacklevel=3)
     return flags
+
+
+def _check_still_narrow(method: str, state: Any, handled: Any) -> None:
+    """Every parameter that was low-precision at ``init`` still is: a float32 one means the
+    updates were added with a sum that promotes, which drops its buffer and rounding."""
+    field = {"kahan": "compensation", "split": "low_bits", "stochastic": "dtypes"}[method]
+    is_masked: Callable[[Any], bool] = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    marks = jax.tree_util.tree_leaves(getattr(state, field), is_leaf=is_masked)
+    flags = jax.tree_util.tree_leaves(handled)
+    if len(marks) != len(flags):
+        raise ValueError(f"low_precision_params({method!r}).update: the parameters have "
+                         f"{len(flags)} leaves, but init saw {len(marks)}.")
+    if any(not h and not is_masked(m) for h, m in zip(flags, marks)):
+        raise TypeError(
+            f"low_precision_params({method!r}).update: a parameter that was bfloat16 (or "
+            "float16) at init is now float32 or wider, so the updates were added with a sum "
+            "that promotes (jax.tree.map(lambda p, u: p + u, params, updates) makes a bfloat16 "
+            "weight plus a float32 update float32), which drops what keeps it accurate. Apply "
+            "the updates with optax.apply_updates, which keeps every parameter's dtype.")
 
 
 def _widened(tree: Any, handled: Any) -> Any:

@@ -621,3 +621,19 @@ def test_master_params_needs_exactly_one_state():
     nested = jmp_policy.loss_scaling(_optimizer("split"))
     master = jmp_policy.master_params(params, nested.init(params))
     assert_bitwise_equal(master, {"w": jnp.ones(2, jnp.float32)})
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_updates_added_with_a_promoting_sum_are_an_error(method):
+    # jax.tree.map(lambda p, u: p + u) turns a bfloat16 weight float32: its buffer (or
+    # its rounding) would be dropped silently.
+    params = {"w": jnp.ones(8, BF16), "s": jnp.ones(2)}
+    tx = jmp_policy.low_precision_params(optax.sgd(1e-2), method)
+    state = tx.init(params)
+    grads = jax.tree.map(lambda p: jnp.ones(p.shape, jnp.float32), params)
+    updates, state = tx.update(grads, state, params)
+    promoted = jax.tree.map(lambda p, u: p + u, params, updates)
+    assert promoted["w"].dtype == jnp.float32
+    with pytest.raises(TypeError, match="optax.apply_updates, which keeps every parameter"):
+        tx.update(grads, state, promoted)
+    tx.update(grads, state, optax.apply_updates(params, updates))  # as documented: fine
