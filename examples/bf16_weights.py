@@ -15,7 +15,9 @@ under each recipe:
   ``jmp_policy.low_precision_params`` and bfloat16 moments with
   ``jmp_policy.cast_state`` (8, 6 and 8 bytes);
 * ``f32 master, bf16 moments`` (stochastic or nearest rounding of the moments):
-  what storing the moments in bfloat16 costs on its own (8 bytes).
+  what storing the moments in bfloat16 costs on its own (8 bytes);
+* ``bf16 stochastic, 8-bit moments`` / ``f32 master, 8-bit moments``: the
+  moments in 8 bits with ``jmp_policy.quantize_state`` (about 4 and 6 bytes).
 
 Both tasks use a learning rate small enough that most Adam updates fall below
 half a bfloat16 ulp of their weight, the regime where rounding to nearest
@@ -71,7 +73,7 @@ class Recipe:
     name: str
     params: str  # "float32" (float32 master weights) or "bfloat16"
     method: Optional[str]  # low_precision_params method; None: none
-    moments: str  # "float32", "bfloat16" (stochastic rounding) or "bfloat16-nearest"
+    moments: str  # "float32", "bfloat16" (stochastic rounding), "bfloat16-nearest" or "8-bit"
     style: str  # matplotlib line style and marker, so that overlapping curves stay apart
 
 
@@ -83,6 +85,8 @@ RECIPES = (
     Recipe("bf16 split", "bfloat16", "split", "bfloat16", ":^"),
     Recipe("f32 master, bf16 moments", "float32", None, "bfloat16", "--v"),
     Recipe("f32 master, bf16 moments (nearest)", "float32", None, "bfloat16-nearest", ":d"),
+    Recipe("bf16 stochastic, 8-bit moments", "bfloat16", "stochastic", "8-bit", "-.P"),
+    Recipe("f32 master, 8-bit moments", "float32", None, "8-bit", "--*"),
 )
 
 
@@ -91,7 +95,9 @@ def optimizer(recipe: Recipe, inner: optax.GradientTransformation,
     """``inner`` as the recipe stores it, inside loss_scaling (no scale for bfloat16)."""
     if recipe.params == "bfloat16" and recipe.method is None:
         return jmp_policy.loss_scaling(inner, None)  # plain optax: everything bfloat16
-    if recipe.moments != "float32":
+    if recipe.moments == "8-bit":
+        inner = jmp_policy.quantize_state(inner, seed=seed)
+    elif recipe.moments != "float32":
         rounding = "nearest" if recipe.moments.endswith("nearest") else "stochastic"
         inner = jmp_policy.cast_state(inner, jnp.bfloat16, rounding=rounding, seed=seed)
     if recipe.method is not None:

@@ -21,10 +21,11 @@ state again.
   moment flushed to zero would turn Adam's step ``mu / (sqrt(nu) + eps)`` into a
   huge one (the "zero-point problem" of low-bit second moments).
 
-Small arrays (fewer than ``min_size`` values), arrays whose last dimension is
-not a multiple of ``block_size``, scalars (step counts, injected
-hyperparameters) and leaves whose path matches a ``keep`` rule stay in
-float32.
+A block is ``block_size`` values, or, where the last dimension is not a
+multiple of it, their greatest common divisor (64 for a last dimension of 64 or
+192) if that is at least 32. Small arrays (fewer than ``min_size`` values),
+arrays without such a block, scalars (step counts, injected hyperparameters)
+and leaves whose path matches a ``keep`` rule stay in float32.
 
 >>> import jax.numpy as jnp, optax
 >>> import jmp_policy
@@ -40,6 +41,7 @@ float32.
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
@@ -103,7 +105,8 @@ def quantize_state(
 
     Args:
       inner: the optimizer whose state to quantize (any optax transformation).
-      block_size: values per scale, along each array's last axis.
+      block_size: values per scale, along each array's last axis (at most: see
+        above for last dimensions that are not multiples of it).
       min_size: arrays with fewer values stay in float32 (their scales would
         cost more than they save).
       keep: regular expressions; a state array whose key path
@@ -132,7 +135,7 @@ def quantize_state(
         def one(path: Any, x: Any, leaf_seed: Optional[jax.Array]) -> Any:
             if not _quantized_leaf(path, x, block_size, min_size, rules):
                 return x
-            return quantize(x, block_size, leaf_seed)
+            return quantize(x, _block(np.shape(x)[-1], block_size), leaf_seed)
 
         return jax.tree_util.tree_map_with_path(one, state, seeds,
                                                 is_leaf=lambda x: x is None)
@@ -198,6 +201,15 @@ def _stochastic(y: jax.Array, u: jax.Array) -> jax.Array:
     return jnp.sign(y) * jnp.minimum(low + jnp.where(up, spacing, 0.0), _MAX)
 
 
+def _block(last: int, block_size: int) -> int:
+    """The block of an array whose last dimension is ``last``: 0 for none."""
+    block = math.gcd(last, block_size)
+    return block if block >= min(block_size, _MIN_BLOCK) else 0
+
+
+_MIN_BLOCK = 32
+
+
 def _is_quantized(x: Any) -> bool:
     return isinstance(x, QuantizedArray)
 
@@ -207,7 +219,7 @@ def _quantized_leaf(path: Any, x: Any, block_size: int, min_size: int,
     dtype = getattr(x, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or jnp.ndim(x) == 0:
         return False
-    if np.size(x) < min_size or np.shape(x)[-1] % block_size:
+    if np.size(x) < min_size or not _block(np.shape(x)[-1], block_size):
         return False
     name = jax.tree_util.keystr(path)
     return not any(r.search(name) for r in rules)
@@ -226,9 +238,11 @@ def _check_rules(state: Any, rules: Sequence[re.Pattern[str]], block_size: int,
                           UserWarning, stacklevel=3)
     odd = [name for name, x in paths
            if getattr(x, "dtype", None) is not None and jnp.issubdtype(x.dtype, jnp.floating)
-           and np.size(x) >= min_size and jnp.ndim(x) > 0 and np.shape(x)[-1] % block_size]
+           and np.size(x) >= min_size and jnp.ndim(x) > 0
+           and not _block(np.shape(x)[-1], block_size)]
     if odd:
         warnings.warn(
             f"quantize_state: {len(odd)} state array(s) stay in float32 because their last "
-            f"dimension is not a multiple of block_size={block_size} (e.g. {odd[0]}); pass a "
-            "block_size that divides it.", UserWarning, stacklevel=3)
+            f"dimension and block_size={block_size} have no common divisor of at least "
+            f"{min(block_size, _MIN_BLOCK)} (e.g. {odd[0]}); pass a block_size that divides "
+            "it.", UserWarning, stacklevel=3)
