@@ -12,8 +12,9 @@ the values it receives in autocast's program, in the dtype it runs in there.
 An overflow shows at the operation that makes it, which is where a float32
 scope fixes it; the operations downstream receive its inf.
 
-Statistics are reduced on the device, one reduction over all of them per
-result, and reach the host through ``jax.debug.callback``: operations inside
+Statistics are reduced on the device, where the values are (the results of
+one shape reduced together, see `grouped_stats`), and reach the host through
+one ``jax.debug.callback`` per evaluated jaxpr: operations inside
 ``jit``, ``scan``, ``while_loop``, ``cond``, ``checkpoint`` and custom-derivative
 bodies are observed where the interpreter's handlers evaluate them, and a
 loop body's row adds up its iterations on the host (`HostSink`). `Registry`
