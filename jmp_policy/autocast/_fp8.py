@@ -43,11 +43,22 @@ from jax import lax
 from jax.extend.core import JaxprEqn
 
 from jmp_policy._dtypes import is_floating_dtype
+from jmp_policy.autocast import _blocks
 from jmp_policy.autocast._bits import INF_BITS, below, magnitude_bits, positive
 from jmp_policy.autocast._rules import scope_names
 
-Scaling = Literal["tensorwise", "rowwise"]
-SCALINGS: tuple[Scaling, ...] = ("tensorwise", "rowwise")
+Scaling = Literal["tensorwise", "rowwise", "mxfp8", "nvfp4"]
+SCALINGS: tuple[Scaling, ...] = ("tensorwise", "rowwise", "mxfp8", "nvfp4")
+
+# The operand formats each scaling takes by default: (forward, gradients).
+_DEFAULT_DTYPES = {
+    "tensorwise": (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)),
+    "rowwise": (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)),
+    # Block scales give each block its own range: gradients keep e4m3's precision, as
+    # Transformer Engine's MXFP8 recipe and jax.nn.get_scaled_dot_general_config do.
+    "mxfp8": (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e4m3fn)),
+    "nvfp4": (_blocks.E2M1, _blocks.E2M1),
+}
 
 _F32 = np.dtype(np.float32)
 
@@ -57,13 +68,21 @@ class Float8Recipe:
     """How autocast runs matrix products in float8 (immutable and hashable).
 
     Attributes:
-      scaling: ``"tensorwise"`` (one scale per operand) or ``"rowwise"`` (one
+      scaling: ``"tensorwise"`` (one scale per operand), ``"rowwise"`` (one
         scale per row along each operand's non-contracting dimensions, so an
-        outlier row does not crush the precision of the others). Scales come
-        from each operand's current absolute maximum: no state to carry.
-      fwd_dtype: float8 format of the forward operands (activations, weights).
-      bwd_dtype: float8 format of the incoming gradients (cotangents) in the
-        backward products, which need range more than precision.
+        outlier row does not crush the precision of the others), or a block
+        scaling, one scale per block of consecutive values along the
+        contracting dimension: ``"mxfp8"`` (blocks of 32, power-of-two
+        ``float8_e8m0fnu`` scales, ``float8_e4m3fn`` values) or ``"nvfp4"``
+        (blocks of 16, ``float8_e4m3fn`` scales, ``float4_e2m1fn`` values, and
+        one float32 scale per tensor). Scales come from each operand's current
+        absolute maximum: no state to carry.
+      fwd_dtype: format of the forward operands (activations, weights); by
+        default ``float8_e4m3fn``, ``float4_e2m1fn`` for ``"nvfp4"``.
+      bwd_dtype: format of the incoming gradients (cotangents) in the
+        backward products: by default ``float8_e5m2`` (range) for tensorwise
+        and rowwise scaling, ``float8_e4m3fn`` for ``"mxfp8"`` (its block
+        scales give the range) and ``float4_e2m1fn`` for ``"nvfp4"``.
       min_size: a product whose contracting size or either non-contracting
         size (each the product of those dimensions' sizes, batch dimensions
         aside) is below this stays in the policy's compute dtype: small
@@ -95,6 +114,18 @@ class Float8Recipe:
         products of a layer in float8 is where the speed is. Applies to
         products that autocast differentiates (``jax.grad`` of an autocast
         function).
+      stochastic_rounding: round the incoming gradients of the backward
+        products to their format stochastically (unbiased: the expected
+        rounded value is the value), with random bits drawn from the
+        gradient's own values, so that no state is carried. On by default for
+        ``"nvfp4"``, whose two-bit grid biases gradients otherwise; off by
+        default for the float8 scalings.
+      native: for a block scaling, whether its products run as the block-scaled
+        GEMM that the backend runs natively (``jax.nn.scaled_matmul``, cuDNN
+        on Blackwell GPUs) or as its emulation (dequantize, multiply in
+        float32), which gives the same products on every backend. ``None``
+        (the default) chooses when tracing, from the backend; ``True`` on a
+        backend without it fails when compiled. Only for block scalings.
 
     >>> import jmp_policy
     >>> recipe = jmp_policy.Float8Recipe("rowwise", min_size=64)
@@ -114,8 +145,8 @@ class Float8Recipe:
         r"(^|/)\w+\.attend(/|$)")
 
     scaling: Scaling = "tensorwise"
-    fwd_dtype: Any = np.dtype(jnp.float8_e4m3fn)
-    bwd_dtype: Any = np.dtype(jnp.float8_e5m2)
+    fwd_dtype: Any = None  # None: the scaling's default (_DEFAULT_DTYPES)
+    bwd_dtype: Any = None
     # Provisional: the smallest size float8 tensor-core GEMMs take (multiples of 16);
     # benchmarks/gpu_fp8.py measures where float8 stops paying off on a GPU.
     min_size: int = 16
@@ -124,14 +155,20 @@ class Float8Recipe:
     # Both chosen by measurement (docs/fp8.md): see the attribute documentation above.
     power_of_two_scales: bool = False
     float8_weight_gradient: bool = True
+    stochastic_rounding: Optional[bool] = None  # None: on for "nvfp4" only
+    native: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
             raise ValueError(
                 f"Float8Recipe scaling must be one of {', '.join(map(repr, SCALINGS))}, "
                 f"got {self.scaling!r}.")
-        for field in ("fwd_dtype", "bwd_dtype"):
-            object.__setattr__(self, field, _float8_dtype(getattr(self, field), field))
+        for field, default in zip(("fwd_dtype", "bwd_dtype"), _DEFAULT_DTYPES[self.scaling]):
+            value = getattr(self, field)
+            object.__setattr__(self, field, default if value is None
+                               else _operand_dtype(value, field, self.scaling))
+        if self.stochastic_rounding is None:
+            object.__setattr__(self, "stochastic_rounding", self.scaling == "nvfp4")
         if isinstance(self.min_size, bool) or not isinstance(self.min_size, int):
             raise TypeError(f"Float8Recipe min_size must be an int, got {self.min_size!r}.")
         if self.min_size < 0:
@@ -139,10 +176,36 @@ class Float8Recipe:
                 f"Float8Recipe min_size must be a non-negative int (products with a "
                 f"dimension below it stay in the compute dtype), got {self.min_size!r}.")
         object.__setattr__(self, "exclude", _patterns(self.exclude))
-        for field in ("batched", "power_of_two_scales", "float8_weight_gradient"):
+        for field in ("batched", "power_of_two_scales", "float8_weight_gradient",
+                      "stochastic_rounding"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(
                     f"Float8Recipe {field} must be True or False, got {getattr(self, field)!r}.")
+        if self.native is not None and not isinstance(self.native, bool):
+            raise TypeError(
+                f"Float8Recipe native must be None, True or False, got {self.native!r}.")
+        if self.blocks:
+            if self.power_of_two_scales:
+                raise ValueError(
+                    f"Float8Recipe power_of_two_scales cannot apply to scaling={self.scaling!r}, "
+                    "whose block scales have a fixed format (mxfp8: powers of two, nvfp4: "
+                    "float8_e4m3fn); leave it False.")
+        elif self.native is not None:
+            raise ValueError(
+                f"Float8Recipe native applies to the block scalings ('mxfp8', 'nvfp4'), not "
+                f"to scaling={self.scaling!r}, whose products are float8 dot_generals on "
+                "every backend; leave it None.")
+
+    @property
+    def blocks(self) -> bool:
+        """Whether the scaling is a block scaling (``"mxfp8"``, ``"nvfp4"``)."""
+        return self.scaling in _blocks.BLOCK_SCALINGS
+
+    @property
+    def block_size(self) -> Optional[int]:
+        """Values per scale along the contracting dimension: 32 for ``"mxfp8"``, 16 for
+        ``"nvfp4"``, ``None`` for tensorwise and rowwise scaling."""
+        return _blocks.BLOCK_SIZES.get(self.scaling)
 
     def excludes(self, scope: str) -> bool:
         """True when an `exclude` pattern is found in the name-scope path ``scope``."""
@@ -150,17 +213,28 @@ class Float8Recipe:
         return any(_compiled(p).search(path) for p in self.exclude)
 
 
-def _float8_dtype(value: Any, field: str) -> np.dtype[Any]:
+def _operand_dtype(value: Any, field: str, scaling: str) -> np.dtype[Any]:
     dtype: Optional[np.dtype[Any]]
     try:
         dtype = np.dtype(value)
     except TypeError:
         dtype = None
+    if scaling == "nvfp4":
+        if dtype != _blocks.E2M1:
+            raise ValueError(
+                f"Float8Recipe {field} must be jnp.float4_e2m1fn with scaling='nvfp4' (its "
+                f"values are e2m1); got {value if dtype is None else dtype}. For float8 "
+                "values in blocks, use scaling='mxfp8'.")
+        return dtype
     if dtype is None or not dtype.name.startswith("float8_") or not is_floating_dtype(dtype) \
             or jnp.finfo(dtype).nmant == 0:  # type: ignore[no-untyped-call]
         raise ValueError(
             f"Float8Recipe {field} must be a float8 dtype with a mantissa, such as "
             f"jnp.float8_e4m3fn or jnp.float8_e5m2; got {value if dtype is None else dtype}.")
+    if scaling == "mxfp8" and dtype.name not in ("float8_e4m3fn", "float8_e5m2"):
+        raise ValueError(
+            f"Float8Recipe {field} must be jnp.float8_e4m3fn or jnp.float8_e5m2 with "
+            f"scaling='mxfp8' (the MXFP8 value formats); got {dtype}.")
     return dtype
 
 
@@ -204,12 +278,12 @@ def as_recipe(fp8: Float8Like) -> Optional[Float8Recipe]:
     if isinstance(fp8, str):
         if fp8 not in SCALINGS:
             raise ValueError(
-                f"autocast fp8 must be None, {' or '.join(map(repr, SCALINGS))}, or a "
+                f"autocast fp8 must be None, {', '.join(map(repr, SCALINGS))}, or a "
                 f"jmp_policy.Float8Recipe; got {fp8!r}.")
         return Float8Recipe(fp8)
     raise TypeError(
-        "autocast fp8 must be None, 'tensorwise', 'rowwise' or a jmp_policy.Float8Recipe; "
-        f"got {type(fp8).__name__} {fp8!r}.")
+        f"autocast fp8 must be None, {', '.join(map(repr, SCALINGS))} or a "
+        f"jmp_policy.Float8Recipe; got {type(fp8).__name__} {fp8!r}.")
 
 
 # --- Which products, in which formats ----------------------------------------------------
@@ -311,6 +385,30 @@ def operand_dtypes(recipe: Float8Recipe, scope: str) -> tuple[np.dtype[Any], np.
     return recipe.fwd_dtype, recipe.fwd_dtype
 
 
+def native_block_products(recipe: Float8Recipe) -> bool:
+    """Whether ``recipe``'s block-scaled products run as the backend's native block-scaled
+    GEMM (``jax.nn.scaled_matmul``) rather than its emulation; asked when tracing.
+
+    ``recipe.native`` decides if set; else the answer is whether every local
+    device is a CUDA GPU of compute capability 10 or above (Blackwell), where
+    cuDNN runs MXFP8 and NVFP4 products. Elsewhere JAX has no lowering for them.
+    """
+    if not recipe.blocks:
+        return False
+    if recipe.native is not None:
+        return recipe.native
+    return jax.default_backend() == "gpu" and all(
+        _compute_capability(d) >= (10, 0) for d in jax.local_devices())
+
+
+def _compute_capability(device: Any) -> tuple[int, ...]:
+    """A CUDA device's compute capability (``(10, 0)``); ``(0,)`` for other devices."""
+    try:
+        return tuple(int(p) for p in str(device.compute_capability).split("."))
+    except (AttributeError, ValueError):
+        return (0,)
+
+
 # --- Quantization --------------------------------------------------------------------------
 
 def _reduced_axes(ndim: int, scaling: str, contracting_axes: Sequence[int]) -> tuple[int, ...]:
@@ -367,7 +465,8 @@ def _floor_power_of_two(x: jax.Array) -> jax.Array:
 
 
 def quantize(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int], *,
-             power_of_two: bool = False) -> tuple[jax.Array, jax.Array]:
+             power_of_two: bool = False,
+             key: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
     """``x`` in the float8 ``dtype`` with current scaling: returns ``(q, scale)``.
 
     ``q * scale`` approximates ``x``. ``scale`` is float32, of ``x``'s shape
@@ -378,7 +477,8 @@ def quantize(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int], 
     power of two at or below that), so nothing saturates and small values
     flush to zero only when they are that far below the maximum. A row
     (tensor) holding inf or NaN gets an inf or NaN scale and NaN values, so
-    every product it enters is NaN, never finite.
+    every product it enters is NaN, never finite. With a random ``key``, values
+    are rounded stochastically (``_blocks.round_stochastically``), else to nearest.
 
     >>> import jax.numpy as jnp
     >>> q, scale = quantize(jnp.array([3e-5, 1e-4]), jnp.float8_e4m3fn, "tensorwise", (0,))
@@ -386,8 +486,11 @@ def quantize(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int], 
     ((1,), ['2.857e-05', '0.0001'])
     """
     inv = inverse_scale(x, dtype, scaling, contracting_axes, power_of_two)
+    scaled = lax.mul(lax.convert_element_type(x, _F32), inv)
+    if key is not None:
+        scaled = _blocks.round_stochastically(scaled, dtype, key)
     # No clamp needed: |x| * inv <= max * (1 + 2^-24)^2, which rounds to the format's max.
-    q = lax.convert_element_type(lax.mul(lax.convert_element_type(x, _F32), inv), np.dtype(dtype))
+    q = lax.convert_element_type(scaled, np.dtype(dtype))
     return q, lax.div(np.float32(1), inv)
 
 
@@ -401,7 +504,8 @@ def group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
 
 
 def quantize_groups(x: Any, dtype: Any, ids: jax.Array, num_groups: int, *,
-                    power_of_two: bool = False) -> tuple[jax.Array, jax.Array]:
+                    power_of_two: bool = False,
+                    key: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
     """``x`` (rows sorted by group, group ``ids``) in the float8 ``dtype``, one scale per
     group and column: returns ``(q, scale)``, ``scale`` of shape ``(num_groups, *x.shape[1:])``.
 
@@ -423,8 +527,10 @@ def quantize_groups(x: Any, dtype: Any, ids: jax.Array, num_groups: int, *,
                                indices_are_sorted=True)
     inv = _factor(amax, dtype, power_of_two)
     rows = jnp.take(inv, ids, axis=0, mode="fill", fill_value=0)
-    q = lax.convert_element_type(lax.mul(lax.convert_element_type(x, _F32), rows),
-                                 np.dtype(dtype))
+    scaled = lax.mul(lax.convert_element_type(x, _F32), rows)
+    if key is not None:  # rounded stochastically, as in `quantize`
+        scaled = _blocks.round_stochastically(scaled, dtype, key)
+    q = lax.convert_element_type(scaled, np.dtype(dtype))
     return q, lax.div(np.float32(1), inv)
 
 

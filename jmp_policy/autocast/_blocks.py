@@ -1,0 +1,256 @@
+"""Block-scaled formats (MXFP8, NVFP4) and stochastic rounding.
+
+A block-scaled operand holds one scale per block of consecutive values along
+the contracting dimension of the product it enters:
+
+* ``"mxfp8"`` (OCP microscaling): blocks of 32, each scale a power of two
+  (``float8_e8m0fnu``), values in ``float8_e4m3fn`` (or ``float8_e5m2``);
+* ``"nvfp4"``: blocks of 16, each scale a ``float8_e4m3fn`` value, values in
+  ``float4_e2m1fn`` (0, 0.5, 1, 1.5, 2, 3, 4, 6), and one float32 scale per
+  tensor that brings its absolute maximum to ``6 * 448``, so that the block
+  scales use e4m3's range.
+
+The quantization is written to give, bit for bit, the operands and scales that
+``jax.nn.scaled_dot_general`` gives (the reference quantization of the cuDNN
+block-scaled GEMM that Blackwell GPUs run). A product is then either that
+GEMM (``jax.nn.scaled_matmul``) or its exact emulation: the operands
+dequantized to float32 (exact: a value times its block scale has at most 8
+significant bits) and multiplied in float32.
+
+>>> import jax.numpy as jnp
+>>> x = jnp.array([[0.0, 1.0, 3.0, 448.0] + [0.0] * 28])
+>>> q = quantize_blocks(x, "mxfp8", jnp.float8_e4m3fn)
+>>> q.values.dtype, q.scales.tolist()   # one power-of-two scale per block of 32
+(dtype(float8_e4m3fn), [[1.0]])
+>>> [float(v) for v in q.dequantized()[0, :4]]
+[0.0, 1.0, 3.0, 448.0]
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+BLOCK_SCALINGS = ("mxfp8", "nvfp4")
+BLOCK_SIZES = {"mxfp8": 32, "nvfp4": 16}
+"""Values per scale along the contracting dimension, as the hardware formats fix them."""
+
+E2M1 = np.dtype(jnp.float4_e2m1fn)
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E8M0 = np.dtype(jnp.float8_e8m0fnu)
+SCALE_DTYPES = {"mxfp8": E8M0, "nvfp4": E4M3}
+"""The format each block scale is stored in for the native product."""
+
+_F32 = np.dtype(np.float32)
+_U32 = np.uint32
+_I32 = np.int32
+
+
+def _max(dtype: Any) -> np.float32:
+    return np.float32(jnp.finfo(dtype).max)  # type: ignore[no-untyped-call]
+
+
+NVFP4_RANGE = np.float32(6.0 * 448.0)
+"""What the NVFP4 per-tensor scale maps a tensor's absolute maximum onto: e2m1's largest
+value times e4m3's, so that the block scales span e4m3's range."""
+
+_TINY_AMAX = np.float32(2.0 ** -100)
+"""The per-tensor absolute maximum below which NVFP4's tensor scale stops shrinking: an
+all-zero tensor gets a finite, nonzero scale (its values stay zero)."""
+
+
+class Blocks(NamedTuple):
+    """A block-quantized array: ``values`` (the data format) times ``scales`` (float32,
+    one per block along the last axis) times ``tensor_scale`` (float32, a scalar;
+    1 for MXFP8) approximates the array."""
+
+    values: jax.Array
+    scales: jax.Array
+    tensor_scale: jax.Array
+
+    def dequantized(self) -> jax.Array:
+        """``values * scales`` in float32, without the tensor scale: exact."""
+        block = self.values.shape[-1] // self.scales.shape[-1]
+        scales = jnp.repeat(self.scales, block, axis=-1, total_repeat_length=self.values.shape[-1])
+        return lax.mul(lax.convert_element_type(self.values, _F32), scales)
+
+
+def mx_scale(amax: jax.Array, dtype: Any) -> jax.Array:
+    """MXFP8's block scale for blocks whose absolute maxima are ``amax``: ``amax / max(dtype)``
+    rounded up to a power of two (so nothing saturates), as float32.
+
+    As ``jax.nn.scaled_dot_general``'s rounding to ``float8_e8m0fnu``, except
+    that scales below ``2**-126`` become ``2**-126`` (e8m0's ``2**-127`` is a
+    float32 subnormal, which some backends flush to zero); an inf or NaN
+    maximum gives a NaN scale.
+
+    >>> import jax.numpy as jnp
+    >>> mx_scale(jnp.array([448.0, 449.0, 1.0, 0.0]), jnp.float8_e4m3fn).tolist()
+    [1.0, 2.0, 0.0078125, 1.1754943508222875e-38]
+    """
+    s = lax.div(lax.convert_element_type(amax, _F32), _max(dtype))
+    bits = lax.bitcast_convert_type(s, _U32)
+    exp = lax.shift_right_logical(bits, _U32(23))
+    mant = lax.bitwise_and(bits, _U32(0x7FFFFF))
+    # Round up unless exact, or the next power of two would be e8m0's NaN (0xFF).
+    up = (mant > 0) & (exp != 0xFE) & ~((exp == 0) & (mant <= 0x400000))
+    exp = jnp.maximum(exp + up.astype(_U32), _U32(1))
+    scale = lax.bitcast_convert_type(lax.shift_left(exp, _U32(23)), _F32)
+    return jnp.where(exp >= 0xFF, np.float32(np.nan), scale)
+
+
+def nv_scale(amax: jax.Array) -> jax.Array:
+    """NVFP4's block scale for blocks (already divided by the tensor scale) whose absolute
+    maxima are ``amax``: ``amax / 6`` rounded to the nearest ``float8_e4m3fn``, as float32."""
+    s = jnp.clip(lax.div(lax.convert_element_type(amax, _F32), _max(E2M1)), 0, _max(E4M3))
+    return lax.convert_element_type(lax.convert_element_type(s, E4M3), _F32)
+
+
+def nv_tensor_scale(x: Any) -> jax.Array:
+    """NVFP4's per-tensor scale of ``x``: its absolute maximum over `NVFP4_RANGE` (at least
+    ``2**-100`` over it; inf for an inf maximum, NaN for NaN)."""
+    amax = jnp.max(jnp.abs(lax.convert_element_type(x, _F32)))
+    return lax.div(lax.max(amax, _TINY_AMAX), NVFP4_RANGE)
+
+
+def block_scale(amax: jax.Array, scaling: str, dtype: Any) -> jax.Array:
+    """The float32 scale of blocks whose absolute maxima are ``amax``."""
+    return mx_scale(amax, dtype) if scaling == "mxfp8" else nv_scale(amax)
+
+
+def to_format(y: jax.Array, dtype: Any, key: Optional[jax.Array] = None) -> jax.Array:
+    """Float32 ``y``, already scaled into ``dtype``'s range, clipped to it and converted:
+    rounded to nearest even, or stochastically with ``key`` (see `round_stochastically`)."""
+    top = _max(dtype)
+    y = jnp.clip(y, -top, top)
+    if key is not None:
+        y = round_stochastically(y, dtype, key)
+    return lax.convert_element_type(y, np.dtype(dtype))
+
+
+def round_stochastically(y: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
+    """Float32 ``y`` (within ``dtype``'s finite range) rounded to one of its two neighbours
+    in ``dtype``, the upper one with probability equal to the distance from the lower
+    one over the gap: unbiased, ``E[round(y)] = y``. Returned in float32, on ``dtype``'s grid.
+
+    The probability is compared against 24 random bits, finer than the float32
+    distance (``dtype`` has fewer mantissa bits than float32 by more than
+    that), so the rounding is exactly unbiased. Inf and NaN stay as they are.
+
+    >>> import jax, jax.numpy as jnp
+    >>> keys = jax.random.split(jax.random.key(0), 4000)
+    >>> draws = jax.vmap(lambda k: round_stochastically(jnp.array(4.5), jnp.float4_e2m1fn, k))(keys)
+    >>> sorted(set(draws.tolist())), abs(float(draws.mean()) - 4.5) < 0.05   # 4 or 6
+    ([4.0, 6.0], True)
+    """
+    info = jnp.finfo(dtype)  # type: ignore[no-untyped-call]
+    mag = jnp.abs(y)
+    exponent = lax.convert_element_type(
+        lax.shift_right_logical(lax.bitcast_convert_type(mag, _U32), _U32(23)), _I32) - 127
+    # The grid's spacing at |y|: 2**(e - mantissa bits), the subnormal spacing below
+    # the smallest normal exponent. A power of two: the arithmetic below is exact.
+    e = jnp.clip(exponent, info.minexp, info.maxexp) - info.nmant
+    gap = lax.bitcast_convert_type(lax.shift_left(e + 127, _I32(23)), _F32)
+    low = jnp.floor(mag / gap) * gap
+    fraction = (mag - low) / gap
+    bits = lax.shift_right_logical(jax.random.bits(key, jnp.shape(y), _U32), _U32(8))
+    u = lax.mul(lax.convert_element_type(bits, _F32), np.float32(2.0 ** -24))
+    rounded = jnp.minimum(low + jnp.where(u < fraction, gap, np.float32(0)), _max(dtype))
+    return jnp.where(jnp.isfinite(y), jnp.copysign(rounded, y), y)
+
+
+def noise_key(x: Any, salt: int) -> jax.Array:
+    """A random key drawn from the values of ``x`` (and ``salt``, which tells apart the
+    operands quantized from the same ``x``): no state to carry, and draws that change
+    as the values do from step to step, reproducibly."""
+    bits = lax.bitcast_convert_type(lax.convert_element_type(x, _F32), _U32)
+    digest = jnp.sum(bits * _U32(0x9E3779B1), dtype=_U32)  # wraps: a hash, not a sum
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(0x5EED), salt), digest)
+
+
+def quantize_blocks(x: Any, scaling: str, dtype: Any, *,
+                    key: Optional[jax.Array] = None) -> Blocks:
+    """``x`` quantized in blocks of ``BLOCK_SIZES[scaling]`` along its last axis (a multiple
+    of that size), values in ``dtype``, rounded stochastically if ``key`` is given.
+
+    The operations and their order are those of ``jax.nn.scaled_dot_general``'s
+    quantization, so the values and scales are the same bit for bit (except in
+    blocks so small that they flush to zero either way, and NVFP4 blocks of
+    zeros, which JAX divides by a zero scale and this does not).
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.array([[0.3, -1.0, 2.9, 100.0] + [0.0] * 12])
+    >>> q = quantize_blocks(x, "nvfp4", jnp.float4_e2m1fn)
+    >>> float(q.tensor_scale) == 100 / 2688, q.scales.tolist()   # 100/2688/6 -> e4m3
+    (True, [[0.00634765625]])
+    >>> [round(float(v), 1) for v in (q.dequantized() * q.tensor_scale)[0, :4]]
+    [0.0, -1.0, 2.6, 100.0]
+    """
+    x = lax.convert_element_type(x, _F32)
+    block = BLOCK_SIZES[scaling]
+    if jnp.shape(x)[-1] % block:
+        raise ValueError(f"{scaling} quantizes blocks of {block} along the last axis, "
+                         f"got one of size {jnp.shape(x)[-1]}.")
+    tensor_scale = nv_tensor_scale(x) if scaling == "nvfp4" else jnp.ones((), _F32)
+    if scaling == "nvfp4":
+        x = lax.div(x, tensor_scale)
+    blocks = jnp.reshape(x, (*jnp.shape(x)[:-1], jnp.shape(x)[-1] // block, block))
+    scale = block_scale(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), scaling, dtype)
+    q = to_format(lax.div(blocks, _nonzero(scale)), dtype, key)
+    return Blocks(jnp.reshape(q, jnp.shape(x)), scale[..., 0], tensor_scale)
+
+
+def _nonzero(scale: jax.Array) -> jax.Array:
+    """A scale to divide by: NVFP4's zero scales (blocks of zeros) become 1."""
+    return jnp.where(scale == 0, np.float32(1), scale)
+
+
+def dequantized_along(x: Any, axis: int, scaling: str, dtype: Any, *,
+                      key: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+    """``x`` block-quantized along ``axis`` (padded with zeros to whole blocks) and
+    dequantized, without its tensor scale: returns (float32 values of ``x``'s shape,
+    tensor scale). For the emulated products, which take float32 operands."""
+    x = jnp.moveaxis(x, axis, -1)
+    size, block = jnp.shape(x)[-1], BLOCK_SIZES[scaling]
+    padded = _pad_last(x, -size % block)
+    q = quantize_blocks(padded, scaling, dtype, key=key)
+    return jnp.moveaxis(q.dequantized()[..., :size], -1, axis), q.tensor_scale
+
+
+def _pad_last(x: Any, pad: int) -> Any:
+    if not pad:
+        return x
+    config = [(0, 0, 0)] * (jnp.ndim(x) - 1) + [(0, pad, 0)]
+    return lax.pad(x, jnp.zeros((), jnp.result_type(x)), config)
+
+
+def dequantized_in_groups(x: Any, ids: jax.Array, sizes: jax.Array, scaling: str, dtype: Any,
+                          *, key: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+    """``x`` ``[m, c]`` (rows sorted by group, group ``ids``, group ``sizes``) quantized in
+    blocks of rows along axis 0, the blocks of each group starting at its first row so that
+    no block mixes two groups' rows, and dequantized: returns (float32 ``[m, c]``, tensor
+    scale). The operands of a ragged product's weight gradient, which sums each group's
+    rows. Rows in no group must be zero; they stay zero."""
+    x = lax.convert_element_type(x, _F32)
+    m, block, groups = jnp.shape(x)[0], BLOCK_SIZES[scaling], jnp.shape(sizes)[0]
+    tensor_scale = nv_tensor_scale(x) if scaling == "nvfp4" else jnp.ones((), _F32)
+    if scaling == "nvfp4":
+        x = lax.div(x, tensor_scale)
+    starts = jnp.cumsum(sizes) - sizes
+    counts = (sizes + block - 1) // block
+    first_block = jnp.cumsum(counts) - counts
+    safe = jnp.minimum(ids, groups - 1)
+    row = lax.iota(ids.dtype, m)
+    blocks = jnp.where(ids < groups, first_block[safe] + (row - starts[safe]) // block,
+                       m // block + groups)  # rows in no group: no block
+    count = m // block + groups  # sum of ceil(size / block) over the groups is below it
+    # Empty blocks get -inf from the scatter-max: 0 (a finite scale); NaN stays NaN.
+    amax = jnp.maximum(jax.ops.segment_max(jnp.abs(x), blocks, count, indices_are_sorted=True), 0)
+    scale = block_scale(amax, scaling, dtype)
+    rows = jnp.take(scale, blocks, axis=0, mode="fill", fill_value=1)
+    q = to_format(lax.div(x, _nonzero(rows)), dtype, key)
+    return lax.mul(lax.convert_element_type(q, _F32), rows), tensor_scale
