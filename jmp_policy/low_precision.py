@@ -71,10 +71,15 @@ class KahanState(NamedTuple):
       inner_state: the wrapped optimizer's state.
       compensation: per low-precision parameter, in its dtype, what rounding
         the weight took away (``optax.MaskedNode()`` for float32 parameters).
+      landed: per low-precision parameter, 16 of its weights (float32, strided
+        over the flattened parameter) as its last update left them, which the
+        next update compares with its parameters (``optax.MaskedNode()`` for
+        float32 parameters).
     """
 
     inner_state: optax.OptState
     compensation: optax.Params
+    landed: optax.Params
 
 
 class StochasticRoundingState(NamedTuple):
@@ -87,11 +92,16 @@ class StochasticRoundingState(NamedTuple):
       dtypes: per low-precision parameter, a zero of its dtype
         (``optax.MaskedNode()`` for float32 parameters): what the next update
         checks the parameters against.
+      landed: per low-precision parameter, 16 of its weights (float32, strided
+        over the flattened parameter) as its last update left them, which the
+        next update compares with its parameters (``optax.MaskedNode()`` for
+        float32 parameters).
     """
 
     inner_state: optax.OptState
     key: jax.Array
     dtypes: optax.Params
+    landed: optax.Params
 
 
 class SplitState(NamedTuple):
@@ -102,10 +112,15 @@ class SplitState(NamedTuple):
       low_bits: per bfloat16 parameter, a uint16 array of the low 16 bits of
         the float32 weight whose high 16 bits are the parameter
         (``optax.MaskedNode()`` for float32 parameters).
+      landed: per low-precision parameter, 16 of its weights (float32, strided
+        over the flattened parameter) as its last update left them, which the
+        next update compares with its parameters (``optax.MaskedNode()`` for
+        float32 parameters).
     """
 
     inner_state: optax.OptState
     low_bits: optax.Params
+    landed: optax.Params
 
 
 class CastState(NamedTuple):
@@ -155,7 +170,11 @@ def low_precision_params(
       and nothing after it: each update takes its weight exactly to the new
       low-precision value. Only `jmp_policy.loss_scaling` and
       ``optax.MultiSteps`` may wrap it, and ``loss_scaling`` must wrap it rather
-      than be wrapped, so that a skipped step changes nothing.
+      than be wrapped, so that a skipped step changes nothing. The next update
+      compares a few sampled weights with those the last one produced: a
+      transformation chained after it (a learning rate, a clip) or weights
+      changed between steps is a ``ValueError`` where ``update`` runs on
+      concrete values, and a warning, once, from a jitted program.
 
     Parameters in float32 or wider are updated as ``inner`` says, with no
     buffer; integer parameters are an error.
@@ -173,19 +192,25 @@ def low_precision_params(
     method = _check_choice("low_precision_params", "method", method, METHODS)
     key, impl = _key_data(seed, _PARAMS_STREAM, "low_precision_params")
     inner = optax.with_extra_args_support(inner)
+    warn_once = _WarnOnce(_misuse_message(method))
 
     def init_fn(params: optax.Params) -> LowPrecisionState:
         handled = _handled_leaves(params, method, warn=True)
         inner_state = inner.init(_widened(params, handled))
         _refuse_inner_loss_scaling("low_precision_params", inner_state)
+        # No update has landed yet: the buffers say nothing about the weights, so
+        # weights changed before the first update (pretrained ones loaded) are fine.
+        landed = _buffers(params, handled, lambda p: jnp.full_like(_sample(p), _NOT_LANDED))
         if method == "kahan":
             # -0.0, the additive identity: x + (-0.0) is x for every x, -0.0 included.
-            return KahanState(inner_state, _buffers(params, handled, lambda p: -jnp.zeros_like(p)))
+            return KahanState(inner_state, _buffers(params, handled, lambda p: -jnp.zeros_like(p)),
+                              landed)
         if method == "split":
             return SplitState(inner_state,
-                              _buffers(params, handled, lambda p: jnp.zeros_like(p, jnp.uint16)))
+                              _buffers(params, handled, lambda p: jnp.zeros_like(p, jnp.uint16)),
+                              landed)
         return StochasticRoundingState(
-            inner_state, key, _buffers(params, handled, lambda p: jnp.zeros((), p.dtype)))
+            inner_state, key, _buffers(params, handled, lambda p: jnp.zeros((), p.dtype)), landed)
 
     def update_fn(
         grads: optax.Updates,
@@ -196,20 +221,23 @@ def low_precision_params(
         _check_update_args(method, state, params)
         handled = _handled_leaves(params, method)
         _check_still_narrow(method, state, handled)
-        grads = _widened(grads, handled)
+        changed = _check_landed(state.landed, params, handled, warn_once)
+        grads = _after(changed, _widened(grads, handled), handled)
         seen = _params_seen_by_inner(params, state, handled)
         updates, inner_state = inner.update(grads, state.inner_state, seen, **extra_args)
         if isinstance(state, KahanState):
             updates, compensation = _per_leaf(_kahan_step, handled, params, updates,
                                               state.compensation)
-            return updates, KahanState(inner_state, compensation)
-        if isinstance(state, SplitState):
+            new_state: LowPrecisionState = KahanState(inner_state, compensation, state.landed)
+        elif isinstance(state, SplitState):
             updates, low_bits = _per_leaf(_split_step, handled, seen, updates, params)
-            return updates, SplitState(inner_state, low_bits)
-        next_key, step_key = _split_key(state.key, impl)
-        seeds = _leaf_seeds(step_key, params)
-        updates, _ = _per_leaf(_stochastic_step, handled, params, updates, seeds)
-        return updates, StochasticRoundingState(inner_state, next_key, state.dtypes)
+            new_state = SplitState(inner_state, low_bits, state.landed)
+        else:
+            next_key, step_key = _split_key(state.key, impl)
+            seeds = _leaf_seeds(step_key, params)
+            updates, _ = _per_leaf(_stochastic_step, handled, params, updates, seeds)
+            new_state = StochasticRoundingState(inner_state, next_key, state.dtypes, state.landed)
+        return updates, new_state._replace(landed=_landed(params, updates, handled))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -446,6 +474,127 @@ def _join_float32(high: jax.Array, low: jax.Array) -> jax.Array:
     """The inverse of `_split_float32`."""
     bits = (_bits(high).astype(jnp.uint32) << 16) | low.astype(jnp.uint32)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+# --------------------------------------------------------------------------- #
+# Misuse: parameters other than the weights the last update produced.
+#
+# Each update stores a few sampled weights as optax.apply_updates will make
+# them; the next update compares its parameters at the same elements. A
+# transformation chained after low_precision_params (a learning rate, a scale,
+# a clip) or weights changed between steps show as a difference.
+# --------------------------------------------------------------------------- #
+
+# Weights sampled per low-precision parameter: a scaled update shows at an
+# element the update moves (by half of the moved ones, for a move of one ulp
+# halved), so several per parameter, over every parameter, catch it at once.
+_SAMPLES = 16
+# On no bfloat16 or float16 grid, so no weight equals it: "no update has landed yet".
+_NOT_LANDED = np.float32(1 + 2**-20)
+
+
+def _sample(x: Any) -> jax.Array:
+    """``_SAMPLES`` elements of ``x`` flattened, evenly strided (all, if fewer), in float32.
+
+    Replicated over an explicit mesh: XLA gathers the few elements, whatever
+    the sharding (flattening a sharded array is not expressible there).
+    """
+    def strided(x: Any) -> jax.Array:
+        flat = jnp.ravel(x)
+        stride = max(1, flat.size // _SAMPLES)
+        count = min(_SAMPLES, flat.size)
+        # From the middle of each stride: a first row (a padding token's embedding)
+        # may never move.
+        start = stride // 2
+        return jax.lax.slice(flat, (start,), (start + stride * (count - 1) + 1,),
+                             (stride,)).astype(jnp.float32)
+
+    if jax.sharding.get_abstract_mesh().explicit_axes:
+        replicated = jax.sharding.PartitionSpec()  # type: ignore[no-untyped-call]
+        sample: jax.Array = jax.sharding.auto_axes(strided, out_sharding=replicated)(x)
+        return sample
+    return strided(x)
+
+
+def _landed(params: Any, updates: Any, handled: Any) -> Any:
+    """Per handled leaf, `_sample` of the weight ``optax.apply_updates(params, updates)`` makes."""
+    # optax.apply_updates' own expression: where the caller applies the updates in the
+    # same program, XLA computes the new weight once, as the step's output, and the
+    # slices read a few elements of it.
+    return jax.tree_util.tree_map(
+        lambda h, p, u: _sample(jnp.asarray(p + u).astype(jnp.asarray(p).dtype)) if h
+        else optax.MaskedNode(), handled, params, updates)
+
+
+def _check_landed(landed: Any, params: Any, handled: Any, report: "_WarnOnce") -> Any:
+    """Whether ``params`` differ from the weights the last update produced, at the sampled
+    elements: an error where the values are concrete, else a warning from the program.
+
+    Returns the traced flag (``None`` when concrete or nothing is checked).
+    """
+    is_masked: Callable[[Any], bool] = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    differs = []
+    for is_handled, expected, p in zip(jax.tree_util.tree_leaves(handled),
+                                       jax.tree_util.tree_leaves(landed, is_leaf=is_masked),
+                                       jax.tree_util.tree_leaves(params)):
+        if is_handled:
+            seen = _sample(p)
+            # Values, not bits: a zero update turns a weight of -0.0 into +0.0
+            # (optax.MultiSteps' mini-steps), and NaN weights stay NaN.
+            same = (seen == expected) | (jnp.isnan(seen) & jnp.isnan(expected))
+            differs.append(jnp.any(~same & (expected != _NOT_LANDED)))
+    if not differs:
+        return None
+    changed = jnp.any(jnp.stack(differs))
+    if not isinstance(changed, jax.core.Tracer):
+        if changed:
+            raise ValueError(report.message)
+        return None
+    # The callback only in the branch taken on a difference: a step without one
+    # calls nothing on the host.
+    jax.lax.cond(changed, lambda: jax.debug.callback(report), lambda: None)
+    return changed
+
+
+def _after(changed: Optional[jax.Array], grads: Any, handled: Any) -> Any:
+    """``grads`` unchanged, but computed from ``changed``, so after the check.
+
+    The step then writes the new weights after the check has read the old
+    ones, and XLA updates donated weights in place; otherwise it copies them
+    first (an optimization barrier does not order them: XLA:CPU removes
+    barriers before it fuses and schedules).
+    """
+    if changed is None:
+        return grads
+    # x + (-0.0) is x for every x (-0.0, infinities and NaNs included); XLA
+    # cannot fold a product with a computed value away.
+    zero = jnp.float32(-0.0) * changed.astype(jnp.float32)
+    return jax.tree_util.tree_map(lambda h, g: g + zero if h else g, handled, grads)
+
+
+class _WarnOnce:
+    """A warning given once: the program that detects the misuse runs every step."""
+
+    def __init__(self, message: str):
+        self.message, self.given = message, False
+
+    def __call__(self) -> None:
+        if not self.given:
+            self.given = True
+            warnings.warn(self.message, UserWarning, stacklevel=1)
+
+
+def _misuse_message(method: str) -> str:
+    return (
+        f"low_precision_params({method!r}).update: the parameters are not the weights its "
+        "last update produced, so they train no better than with plain bfloat16 rounding. "
+        "Either a transformation after low_precision_params changed its updates (a learning "
+        "rate, optax.scale or a clip chained after it), or the weights were changed between "
+        "steps. Put every transformation inside it, as in low_precision_params(optax.chain("
+        "optax.clip_by_global_norm(1.0), optax.adam(learning_rate)), ...), and apply its "
+        "updates with optax.apply_updates and nothing else (jmp_policy.loss_scaling and "
+        "optax.MultiSteps may wrap it). To change the weights on purpose, make a new state "
+        "with init.")
 
 
 # --------------------------------------------------------------------------- #

@@ -203,8 +203,10 @@ def test_stochastic_rounding_is_reproducible_and_differs_across_steps():
 
     @jax.jit
     def run(params, state):
-        first, state = step(tx, params, grads, state)
-        second, _ = step(tx, params, grads, state)  # same inputs, next key
+        first, next_state = step(tx, params, grads, state)
+        # Same inputs, next key; the weights are not those the first step produced,
+        # so the state that saw no update yet says what to expect of them: nothing.
+        second, _ = step(tx, params, grads, next_state._replace(landed=state.landed))
         return first["w"], second["w"]
 
     a1, a2 = two_steps(0)
@@ -570,6 +572,102 @@ class TestUpdateWithAndWithoutJit(chex.TestCase):
         adamw = optax.adamw(1e-3)
         reference = optax.apply_updates(wide, adamw.update(grads(0), adamw.init(wide), wide)[0])
         chex.assert_trees_all_close(jmp_policy.master_params(new, state), reference, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- #
+# Misuse: a transformation after low_precision_params, weights changed elsewhere.
+# --------------------------------------------------------------------------- #
+
+MISUSE = r"not the weights its last update produced.*low_precision_params\(optax\.chain\("
+# Updates of 0.1 and more move the weights of _tiny_problem by several ulps: halved or
+# clipped to 1e-3, every moved weight lands elsewhere.
+AFTER = {"scale": optax.scale(0.5), "clip": optax.clip(1e-3)}
+
+
+def _misused(method, after):
+    return optax.chain(jmp_policy.low_precision_params(optax.sgd(0.1), method), after)
+
+
+@pytest.mark.parametrize("after", list(AFTER), ids=list(AFTER))
+@pytest.mark.parametrize("method", METHODS)
+def test_a_transformation_after_it_warns_once_under_jit(method, after):
+    params, grads = _tiny_problem()
+    tx = _misused(method, AFTER[after])
+    train = jax.jit(lambda params, state, k: step(tx, params, grads(k), state))
+    state = tx.init(params)
+    with pytest.warns(UserWarning, match=MISUSE) as record:
+        for k in range(4):
+            params, state = train(params, state, k)
+        jax.effects_barrier()
+    assert len([w for w in record if "last update produced" in str(w.message)]) == 1
+
+
+@pytest.mark.parametrize("misuse", ["scale", "clip", "weights changed"])
+@pytest.mark.parametrize("method", METHODS)
+def test_a_transformation_after_it_is_an_error_eagerly(method, misuse):
+    params, grads = _tiny_problem()
+    tx = _misused(method, AFTER.get(misuse, optax.identity()))
+    params, state = step(tx, params, grads(0), tx.init(params))
+    if misuse == "weights changed":
+        params = jax.tree.map(lambda p: p * 2, params)
+    with pytest.raises(ValueError, match=MISUSE):
+        step(tx, params, grads(1), state)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_zero_update_between_steps_that_turns_minus_zero_to_zero_is_silent(method):
+    # optax.MultiSteps' mini-steps add zero updates: -0.0 + 0.0 is +0.0, the same weight.
+    params = {"w": jnp.full(4, -0.0, BF16)}
+    tx = jmp_policy.low_precision_params(optax.sgd(1.0), method)
+    params, state = step(tx, params, {"w": jnp.zeros(4)}, tx.init(params))  # lands on -0.0
+    assert bits(params["w"]).tolist() == [0x8000] * 4
+    params = optax.apply_updates(params, {"w": jnp.zeros(4)})
+    assert bits(params["w"]).tolist() == [0] * 4
+    step(tx, params, {"w": jnp.zeros(4)}, state)
+
+
+def _nan_at_step_1(k, g):
+    return jnp.where(k == 1, g.at[0].set(jnp.nan), g)
+
+
+def _host_copy_at_step_2(params, state):
+    return jax.device_get((params, state))
+
+
+# name: (the optimizer around low_precision_params(inner), its inner, gradients at step k,
+# what happens to (params, state) between steps)
+DOCUMENTED_USE = {
+    "loss_scaling, a skipped step": (
+        lambda tx: jmp_policy.loss_scaling(tx, "dynamic"), optax.adam(1e-3), _nan_at_step_1, None),
+    "MultiSteps": (lambda tx: optax.MultiSteps(tx, 2), optax.adam(1e-3), None, None),
+    "clipping inside": (lambda tx: tx, optax.chain(optax.clip_by_global_norm(0.1),
+                                                   optax.scale_by_adam(), optax.scale(-1e-3)),
+                        None, None),
+    "resumed from host copies": (lambda tx: tx, optax.adam(1e-3), None, _host_copy_at_step_2),
+    "non-finite updates": (lambda tx: tx, optax.sgd(1e-3), _nan_at_step_1, None),
+}
+
+
+@pytest.mark.parametrize("use", list(DOCUMENTED_USE), ids=list(DOCUMENTED_USE))
+@pytest.mark.parametrize("method", METHODS)
+def test_documented_use_is_silent(method, use):
+    wrap, inner, grads_at, between = DOCUMENTED_USE[use]
+    params, grads = _tiny_problem()  # bfloat16 weights and a float32 leaf
+    tx = wrap(jmp_policy.low_precision_params(inner, method))
+    grads_at = grads_at or (lambda k, g: g)
+    train = jax.jit(lambda params, state, k: step(
+        tx, params, jax.tree.map(functools.partial(grads_at, k), grads(k)), state))
+    # Weights loaded after init (fine-tuning): init saw others, and no update landed yet.
+    state = tx.init(jax.tree.map(jnp.zeros_like, params))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for k in range(5):
+            if k == 2 and between:
+                params, state = between(params, state)
+            params, state = train(params, state, k)
+        jax.effects_barrier()
+        step(tx, params, grads(5), state)  # eagerly: an error if they differed
+    assert not np.array_equal(params["w"], _tiny_problem()[0]["w"])  # the weights moved
 
 
 # --------------------------------------------------------------------------- #
