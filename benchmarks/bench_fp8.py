@@ -7,7 +7,9 @@ Tables of the report (``benchmarks/results/bench_fp8.json``):
     one product ``x @ w`` (256 x 512 x 256) and of its two backward products
     (the gradients of x and of w), under ``autocast(jnp.matmul, "float32",
     fp8=recipe)``: tensorwise and rowwise scaling with exact (the default) and
-    power-of-two scales, and plain bfloat16 autocast for reference. Operands:
+    power-of-two scales, the block scalings MXFP8 and NVFP4 (the latter also
+    with its gradients rounded to nearest instead of stochastically), and
+    plain bfloat16 autocast for reference. Operands:
     standard normal; scaled to 1e-4 and to 1e4 (outside float8_e4m3fn's range
     unscaled); one outlier row of order 1e4 among rows of order 1 (the error
     is measured on the other rows); heavy-tailed (log-normal magnitudes,
@@ -17,8 +19,10 @@ Tables of the report (``benchmarks/results/bench_fp8.json``):
     ``autocast(..., "mixed_bfloat16")``, with and without ``fp8=``:
     trace + lower and XLA compile time (medians of ``--compile-rounds``
     interleaved fresh compiles), StableHLO ops, float8 ``dot_general`` ops,
-    optimized HLO instructions and top-level ops; ratios to the bfloat16
-    step. No step times: a CPU emulates float8 (``gpu_fp8.py`` measures speed).
+    optimized HLO instructions and top-level ops, and the step's wall time
+    on this CPU; ratios to the bfloat16 step. A CPU emulates float8 and the
+    block scalings, so the wall times say what emulation costs, not what a GPU
+    gains (``gpu_fp8.py`` measures speed).
 ``training`` (with ``--training``, written to ``bench_fp8_training.json``)
     ``examples/transformer_lm.py``'s model trained for ``--steps`` steps per
     seed, under its ``mixed_bfloat16`` module policy and with its ``apply``
@@ -26,13 +30,22 @@ Tables of the report (``benchmarks/results/bench_fp8.json``):
     variant behind the defaults: held-out bits per byte (the example's
     metric: one held-out batch) and the mean training loss of the last
     ``--tail`` steps, both in bits per byte, means over the seeds (per-seed
-    values under ``samples``); ratios to ``mixed_bfloat16``.
+    values under ``samples``); ratios to ``mixed_bfloat16``. ``--runs``
+    picks runs by name; ``--experts E`` trains the example's
+    mixture-of-experts variant (E experts, top-2) instead.
 
 Commands (from the repository root)::
 
     python benchmarks/bench_fp8.py                          # accuracy + compile, ~2 min
     python benchmarks/bench_fp8.py --training               # ~45 min on 2 busy CPU cores
     python benchmarks/bench_fp8.py --quick                  # smoke run, ~30 s
+    # the block-scaled recipes' training tables (docs/fp8.md), ~15 min each:
+    python benchmarks/bench_fp8.py --training --steps 300 --tail 100 --seeds 0 1 \
+        --runs mixed_bfloat16 tensorwise rowwise mxfp8 nvfp4 "nvfp4, round to nearest" \
+        --json benchmarks/results/bench_fp8_training_blocks.json
+    python benchmarks/bench_fp8.py --training --steps 300 --tail 100 --seeds 0 1 --experts 4 \
+        --runs mixed_bfloat16 tensorwise rowwise mxfp8 nvfp4 \
+        --json benchmarks/results/bench_fp8_training_moe.json
 """
 
 from __future__ import annotations
@@ -59,6 +72,9 @@ ACCURACY_RECIPES: dict[str, Optional[R]] = {
     "tensorwise, 2^k scales": R("tensorwise", power_of_two_scales=True),
     "rowwise": R("rowwise"),
     "rowwise, 2^k scales": R("rowwise", power_of_two_scales=True),
+    "mxfp8": R("mxfp8"),
+    "nvfp4": R("nvfp4"),
+    "nvfp4, round to nearest": R("nvfp4", stochastic_rounding=False),
 }
 DISTRIBUTIONS = ("normal", "1e-4", "1e4", "outlier row", "heavy-tailed")
 
@@ -77,6 +93,9 @@ TRAINING_RUNS: dict[str, Any] = {
     "rowwise, bf16 weight grad": R("rowwise", float8_weight_gradient=False),
     "tensorwise, batched=False": R("tensorwise", batched=False),
     "rowwise, batched=False": R("rowwise", batched=False),
+    "mxfp8": "mxfp8",
+    "nvfp4": "nvfp4",
+    "nvfp4, round to nearest": R("nvfp4", stochastic_rounding=False),
 }
 
 
@@ -187,6 +206,7 @@ COMPILE_COLUMNS = [
     harness.Column("float8_dots", "float8 dot_generals", "count", ratio=False),
     harness.Column("hlo_instructions", "HLO instructions", "count"),
     harness.Column("top_level_ops", "top-level ops", "count"),
+    harness.Column("wall_s", "step time (CPU)", "s"),
 ]
 
 
@@ -196,8 +216,9 @@ def compile_cost(report: harness.Report, a: argparse.Namespace) -> None:
     args = (params, optax.adamw(1e-3).init(params), tokens)
     cases = [harness.Case("bfloat16" if k is None else f"fp8 {k}", make_step(k), args, carry=2,
                           extra=lowered_figures, make_fn=lambda k=k: make_step(k))
-             for k in (None, "tensorwise", "rowwise")]
-    rows, failed = harness.measure(cases, compile_rounds=a.compile_rounds, wall=False)
+             for k in (None, "tensorwise", "rowwise", "mxfp8", "nvfp4")]
+    rows, failed = harness.measure(cases, compile_rounds=a.compile_rounds, rounds=a.rounds,
+                                   iters=a.iters, wall=not a.no_wall)
     desc = (f"transformer LM, 2 blocks, d_model {a.width}, seq {a.seq}, batch {a.batch}, AdamW, "
             "under autocast mixed_bfloat16")
     table = report.table("compile", "float8 train step against the bfloat16 one: compile cost",
@@ -229,8 +250,13 @@ TRAINING_COLUMNS = [
 def training(report: harness.Report, a: argparse.Namespace, path: str) -> None:
     lm = load_example()
     text = lm.load_text()
-    config = lm.Config() if not a.quick else lm.Config(d_model=16, heads=1, layers=1, seq_len=16)
-    runs = TRAINING_RUNS if not a.quick else dict(list(TRAINING_RUNS.items())[:3])
+    config = lm.Config(experts=a.experts) if not a.quick else lm.Config(
+        d_model=16, heads=1, layers=1, seq_len=16, experts=a.experts)
+    unknown = set(a.runs or ()) - set(TRAINING_RUNS)
+    if unknown:
+        raise SystemExit(f"--runs: unknown {sorted(unknown)}; known: {list(TRAINING_RUNS)}")
+    runs = {n: r for n, r in TRAINING_RUNS.items() if a.runs is None or n in a.runs}
+    runs = runs if not a.quick else dict(list(runs.items())[:3])
     samples: dict[str, dict[str, list[float]]] = {n: {"held_out_bpb": [], "train_bpb": []}
                                                  for n in runs}
     for i, seed in enumerate(a.seeds):
@@ -245,7 +271,9 @@ def training(report: harness.Report, a: argparse.Namespace, path: str) -> None:
         table = report.table(
             "training", "byte-level transformer LM: float8 recipes against mixed_bfloat16",
             baseline="mixed_bfloat16", columns=TRAINING_COLUMNS,
-            description=(f"examples/transformer_lm.py, {a.steps} steps, seeds "
+            description=(f"examples/transformer_lm.py"
+                         f"{f' with {a.experts} experts (top-2)' if a.experts else ''}, "
+                         f"{a.steps} steps, seeds "
                          f"{a.seeds[:i + 1]}, means over the seeds; training loss: mean of the "
                          f"last {a.tail} steps"))
         for name, s in samples.items():
@@ -265,6 +293,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=2000, help="training steps per run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--tail", type=int, default=300, help="training-loss steps averaged")
+    parser.add_argument("--runs", nargs="+", default=None,
+                        help=f"training runs to do, by name (default: all of {list(TRAINING_RUNS)})")
+    parser.add_argument("--experts", type=int, default=0,
+                        help="train the example's mixture-of-experts variant with this many experts")
     harness.add_common_arguments(parser, compile_rounds=5)
     a = parser.parse_args(argv)
     if a.quick:

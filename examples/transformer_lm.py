@@ -27,9 +27,16 @@ Float8 matmuls (slow on a CPU, which emulates float8: use a GPU or few steps):
 
 ``--fp8 SCALING...`` adds one run per scaling of the first policy with the
 model's ``apply`` wrapped in ``jmp_policy.autocast(..., fp8=SCALING)``: the
-same model code and module policies, its matrix products in float8, except the
-``logits`` head, which the default recipe excludes. ``--fp8-head`` adds a run
-of the first scaling with the head in float8 too (``exclude=()``).
+same model code and module policies, its matrix products in float8 (or, with
+``nvfp4``, 4-bit floats), except the ``logits`` head, which the default recipe
+excludes. ``--fp8-head`` adds a run of the first scaling with the head in
+float8 too (``exclude=()``).
+
+``--experts E`` makes each block's MLP a mixture of E experts (top-2 routing,
+the experts' products one ``lax.ragged_dot`` each), which autocast's float8
+recipes run in float8 like the dense products:
+
+    python examples/transformer_lm.py --experts 4 --policies mixed_bfloat16 --fp8 mxfp8
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ class Config:
     batch_size: int = 16
     learning_rate: float = 2e-3
     vocab: int = 256  # bytes
+    experts: int = 0  # > 0: each block's MLP is a mixture of experts
+    top_k: int = 2    # experts per token
 
 
 class Softmax(nn.Module):
@@ -91,14 +100,48 @@ class CausalSelfAttention(nn.Module):
         return nn.Dense(d, name="proj")(out)
 
 
+class MixtureOfExperts(nn.Module):
+    """A top-k mixture of MLP experts: tokens sorted by expert, each expert's two
+    products one ``lax.ragged_dot`` over all of them, outputs weighted by the router."""
+
+    experts: int
+    top_k: int
+    hidden: int
+    dtype: Any = None  # set by a policy: the experts' compute dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        tokens = x.reshape(b * t, d)
+        # The router in float32 (its products are too small for float8 anyway).
+        probs = jax.nn.softmax(nn.Dense(self.experts, use_bias=False, name="router")(
+            tokens.astype(jnp.float32)), axis=-1)
+        weights, chosen = jax.lax.top_k(probs, self.top_k)
+        weights = weights / weights.sum(-1, keepdims=True)
+        order = jnp.argsort(chosen.reshape(-1), stable=True)  # (token, slot) by expert
+        token = order // self.top_k
+        sizes = jnp.bincount(chosen.reshape(-1), length=self.experts).astype(jnp.int32)
+        init = nn.initializers.lecun_normal(batch_axis=(0,))
+        w1 = self.param("w1", init, (self.experts, d, self.hidden))
+        w2 = self.param("w2", init, (self.experts, self.hidden, d))
+        dtype = self.dtype or x.dtype
+        h = nn.gelu(jax.lax.ragged_dot(tokens[token].astype(dtype), w1.astype(dtype), sizes))
+        y = jax.lax.ragged_dot(h, w2.astype(dtype), sizes)
+        y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
+        return jnp.zeros_like(tokens, y.dtype).at[token].add(y).reshape(b, t, d)
+
+
 class Block(nn.Module):
     config: Config
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + CausalSelfAttention(self.config.heads)(nn.LayerNorm()(x))
-        h = nn.gelu(nn.Dense(4 * self.config.d_model)(nn.LayerNorm()(x)))
-        return x + nn.Dense(self.config.d_model)(h)
+        c = self.config
+        x = x + CausalSelfAttention(c.heads)(nn.LayerNorm()(x))
+        if c.experts:
+            return x + MixtureOfExperts(c.experts, c.top_k, 4 * c.d_model)(nn.LayerNorm()(x))
+        h = nn.gelu(nn.Dense(4 * c.d_model)(nn.LayerNorm()(x)))
+        return x + nn.Dense(c.d_model)(h)
 
 
 class TransformerLM(nn.Module):
@@ -255,16 +298,18 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=os.path.join("results", "transformer_lm"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
-    parser.add_argument("--fp8", nargs="+", default=[], choices=("tensorwise", "rowwise"),
+    parser.add_argument("--fp8", nargs="+", default=[],
+                        choices=("tensorwise", "rowwise", "mxfp8", "nvfp4"),
                         help="also train the first policy with float8 matmuls, per scaling")
     parser.add_argument("--fp8-head", action="store_true",
                         help="also train the first --fp8 scaling with the logits head in float8")
-    for field in ("d_model", "heads", "layers", "seq_len", "batch_size"):
+    for field in ("d_model", "heads", "layers", "seq_len", "batch_size", "experts", "top_k"):
         parser.add_argument("--" + field.replace("_", "-"), type=int,
                             default=getattr(Config(), field))
     args = parser.parse_args(argv)
     config = Config(d_model=args.d_model, heads=args.heads, layers=args.layers,
-                    seq_len=args.seq_len, batch_size=args.batch_size)
+                    seq_len=args.seq_len, batch_size=args.batch_size, experts=args.experts,
+                    top_k=args.top_k)
 
     text = load_text()
     print(f"text: {len(text):,} bytes of {', '.join(TEXT_MODULES)} sources")

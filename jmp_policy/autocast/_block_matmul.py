@@ -13,10 +13,9 @@ operands along its own contracting dimension, the incoming gradient in
 
 >>> import jax, jax.numpy as jnp, jmp_policy
 >>> f = jmp_policy.autocast(lambda x, w: x @ w, "mixed_bfloat16", fp8="mxfp8")
->>> jaxpr = jax.make_jaxpr(f)(jnp.ones((32, 64)), jnp.ones((64, 32)))
->>> sorted({str(e.params["new_dtype"]) for e in jaxpr.eqns
-...         if e.primitive.name == "convert_element_type"} & {"float8_e4m3fn"})
-['float8_e4m3fn']
+>>> text = jax.jit(f).lower(jnp.ones((32, 64)), jnp.ones((64, 32))).as_text()
+>>> "x32xf8E4M3FN>" in text   # both operands, in blocks of 32 along the 64 contracted
+True
 """
 
 from __future__ import annotations
@@ -26,12 +25,12 @@ from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend.core import JaxprEqn
 
 from jmp_policy.autocast import _blocks
 from jmp_policy.autocast._fp8 import Float8Recipe, group_ids
-from jmp_policy.autocast._interpreter import bind
 from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, join
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -137,31 +136,38 @@ def block_ragged_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DTy
     lhs's gradient, ``g`` along each row's ``n`` and rhs along ``n`` per
     (expert, k); for rhs's gradient, which sums each expert's rows, lhs and
     ``g`` in blocks of rows that start again at each expert's first row
-    (``_blocks.dequantized_in_groups``).
+    (``_blocks.dequantized_in_groups``). NVFP4's per-tensor scale is one per
+    expert: each expert's rows, and each expert's matrix, are a tensor of their own.
     """
     from jmp_policy.autocast._fp8_matmul import _WEIGHT_GRADIENT, _in_groups, _ragged_dims
 
     rhs_k = eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers[0][1][0]
     rhs_n = 3 - rhs_k  # rhs is [g, k, n] or [g, n, k]
     acc, lhs_dtype, rhs_dtype = join(compute, F32), dtype_of(lhs), dtype_of(rhs)
-    fwd_params = dict(eqn.params, precision=_HIGHEST, preferred_element_type=F32)
+    dims = eqn.params["ragged_dot_dimension_numbers"]
     lhs_gradient = _ragged_dims((1, rhs_n), True, True)  # [m, n] x rhs -> [m, k]
     scaling, (lhs_format, rhs_format) = recipe.scaling, formats
 
-    def along(x: Any, axis: int, dtype: DType, key: Optional[jax.Array] = None) -> Any:
-        return _blocks.dequantized_along(x, axis, scaling, dtype, key=key)
+    experts = jnp.shape(rhs)[0]
+    matrices = (lax.iota(np.int32, experts), experts)  # rhs: one tensor per expert
 
-    def ragged(a: Any, b: Any, sizes: Any, dims: Any) -> jax.Array:
-        (da, sa), (db, sb) = a, b
-        out = lax.ragged_dot_general(da, db, sizes, dims, precision=_HIGHEST,
-                                     preferred_element_type=F32)
-        return _tensor_scaled(out, scaling, sa, sb)
+    def along(x: Any, axis: int, dtype: DType, segments: Any,
+              key: Optional[jax.Array] = None) -> Any:
+        return _blocks.dequantized_along(x, axis, scaling, dtype, key=key, segments=segments)
+
+    def rows_scaled(out: jax.Array, a: Any, b: Any, rows: Any) -> jax.Array:
+        """``out`` ``[m, *]`` times both operands' NVFP4 tensor scales, one per expert."""
+        if scaling != "nvfp4":
+            return out
+        return lax.mul(out, _blocks.per_row(lax.mul(a[1], b[1]), rows, out.ndim))
 
     def forward(a: Any, b: Any, sizes: Any) -> tuple[Any, Any]:
         a = _in_groups(a, sizes)
-        (da, sa), (db, sb) = along(a, 1, lhs_format), along(b, rhs_k, rhs_format)
-        out = bind(eqn, (da, db, sizes), fwd_params)  # float32 operands and accumulation
-        return convert(_tensor_scaled(out, scaling, sa, sb), acc), a
+        rows = (group_ids(sizes, jnp.shape(a)[0]), experts)
+        qa, qb = along(a, 1, lhs_format, rows), along(b, rhs_k, rhs_format, matrices)
+        out = lax.ragged_dot_general(qa[0], qb[0], sizes, dims, precision=_HIGHEST,
+                                     preferred_element_type=F32)
+        return convert(rows_scaled(out, qa, qb, rows), acc), a
 
     def product(a: Any, b: Any, sizes: Any) -> Any:
         return forward(a, b, sizes)[0]
@@ -173,17 +179,23 @@ def block_ragged_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DTy
     def product_bwd(res: tuple[Any, Any, Any], g: Any) -> tuple[Any, Any, None]:
         a, b, sizes = res
         g = _in_groups(g, sizes)
+        ids = group_ids(sizes, jnp.shape(a)[0])
+        rows = (ids, experts)
         key_lhs, _ = _keys(recipe, g, _LHS_GRADIENT)
-        grad_lhs = ragged(along(g, 1, recipe.bwd_dtype, key_lhs), along(b, rhs_n, rhs_format),
-                          sizes, lhs_gradient)
+        qg, qb = along(g, 1, recipe.bwd_dtype, rows, key_lhs), along(b, rhs_n, rhs_format, matrices)
+        grad_lhs = rows_scaled(lax.ragged_dot_general(qg[0], qb[0], sizes, lhs_gradient,
+                                                      precision=_HIGHEST,
+                                                      preferred_element_type=F32),
+                               qg, qb, rows)
         if recipe.float8_weight_gradient:
-            ids = group_ids(sizes, jnp.shape(a)[0])
             key_rhs, _ = _keys(recipe, g, _RHS_GRADIENT)
-            grad_rhs = ragged(
-                _blocks.dequantized_in_groups(a, ids, sizes, scaling, lhs_format),
-                _blocks.dequantized_in_groups(g, ids, sizes, scaling, recipe.bwd_dtype,
-                                              key=key_rhs),
-                sizes, _WEIGHT_GRADIENT)
+            qa = _blocks.dequantized_in_groups(a, ids, sizes, scaling, lhs_format)
+            qg = _blocks.dequantized_in_groups(g, ids, sizes, scaling, recipe.bwd_dtype,
+                                               key=key_rhs)
+            grad_rhs = lax.ragged_dot_general(qa[0], qg[0], sizes, _WEIGHT_GRADIENT,
+                                              precision=_HIGHEST, preferred_element_type=F32)
+            if scaling == "nvfp4":  # [g, k, n]: one tensor scale per expert on each side
+                grad_rhs = lax.mul(grad_rhs, jnp.reshape(lax.mul(qa[1], qg[1]), (-1, 1, 1)))
         else:  # as the matmul class's backward products: compute-dtype operands and result
             grad_rhs = lax.ragged_dot_general(convert(a, compute), convert(g, compute), sizes,
                                               _WEIGHT_GRADIENT, preferred_element_type=compute)

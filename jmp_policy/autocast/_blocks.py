@@ -90,7 +90,7 @@ def mx_scale(amax: jax.Array, dtype: Any) -> jax.Array:
 
     >>> import jax.numpy as jnp
     >>> mx_scale(jnp.array([448.0, 449.0, 1.0, 0.0]), jnp.float8_e4m3fn).tolist()
-    [1.0, 2.0, 0.0078125, 1.1754943508222875e-38]
+    [1.0, 2.0, 0.00390625, 1.1754943508222875e-38]
     """
     s = lax.div(lax.convert_element_type(amax, _F32), _max(dtype))
     bits = lax.bitcast_convert_type(s, _U32)
@@ -172,36 +172,63 @@ def noise_key(x: Any, salt: int) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(0x5EED), salt), digest)
 
 
-def quantize_blocks(x: Any, scaling: str, dtype: Any, *,
-                    key: Optional[jax.Array] = None) -> Blocks:
+def quantize_blocks(x: Any, scaling: str, dtype: Any, *, key: Optional[jax.Array] = None,
+                    tensor_scale: Optional[jax.Array] = None) -> Blocks:
     """``x`` quantized in blocks of ``BLOCK_SIZES[scaling]`` along its last axis (a multiple
     of that size), values in ``dtype``, rounded stochastically if ``key`` is given.
 
     The operations and their order are those of ``jax.nn.scaled_dot_general``'s
     quantization, so the values and scales are the same bit for bit (except in
-    blocks so small that they flush to zero either way, and NVFP4 blocks of
-    zeros, which JAX divides by a zero scale and this does not).
+    blocks so small that they flush to zero either way, and blocks of zeros,
+    whose scale JAX's MXFP8 makes a float32 subnormal and JAX's NVFP4 zero,
+    and divides by). NVFP4's per-tensor scale is `nv_tensor_scale` unless
+    ``tensor_scale`` (broadcastable against ``x``: one per expert's rows, say)
+    is given.
 
     >>> import jax.numpy as jnp
-    >>> x = jnp.array([[0.3, -1.0, 2.9, 100.0] + [0.0] * 12])
+    >>> x = jnp.array([[0.5, -1.0, 2.9, 6.0] + [0.0] * 12, [0.25] * 16])
     >>> q = quantize_blocks(x, "nvfp4", jnp.float4_e2m1fn)
-    >>> float(q.tensor_scale) == 100 / 2688, q.scales.tolist()   # 100/2688/6 -> e4m3
-    (True, [[0.00634765625]])
-    >>> [round(float(v), 1) for v in (q.dequantized() * q.tensor_scale)[0, :4]]
-    [0.0, -1.0, 2.6, 100.0]
+    >>> round(float(q.tensor_scale) * 2688, 5), q.scales.tolist()  # 448 / 6 = 18.7 -> 18
+    (6.0, [[448.0], [18.0]])
+    >>> q.values.astype(jnp.float32)[:, :4].tolist()  # 2.9 -> 3; 0.25 * 448 / 18 = 6.2 -> 6
+    [[0.5, -1.0, 3.0, 6.0], [6.0, 6.0, 6.0, 6.0]]
     """
     x = lax.convert_element_type(x, _F32)
     block = BLOCK_SIZES[scaling]
     if jnp.shape(x)[-1] % block:
         raise ValueError(f"{scaling} quantizes blocks of {block} along the last axis, "
                          f"got one of size {jnp.shape(x)[-1]}.")
-    tensor_scale = nv_tensor_scale(x) if scaling == "nvfp4" else jnp.ones((), _F32)
     if scaling == "nvfp4":
+        tensor_scale = nv_tensor_scale(x) if tensor_scale is None else tensor_scale
         x = lax.div(x, tensor_scale)
+    else:
+        tensor_scale = jnp.ones((), _F32)
     blocks = jnp.reshape(x, (*jnp.shape(x)[:-1], jnp.shape(x)[-1] // block, block))
     scale = block_scale(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), scaling, dtype)
     q = to_format(lax.div(blocks, _nonzero(scale)), dtype, key)
     return Blocks(jnp.reshape(q, jnp.shape(x)), scale[..., 0], tensor_scale)
+
+
+Segments = tuple[jax.Array, int]
+"""``(ids, count)``: the segment (expert) of each index along an array's first axis, and
+how many there are; ids out of range are in no segment."""
+
+
+def segment_tensor_scales(x: Any, segments: Segments) -> jax.Array:
+    """NVFP4's per-tensor scale of each segment of ``x``'s first axis (each expert's rows
+    or matrix), ``[count]``: a mixture of experts' operands hold one tensor per expert,
+    whose magnitudes may differ by more than the e4m3 block scales span."""
+    ids, count = segments
+    rows = jnp.max(jnp.abs(lax.convert_element_type(x, _F32)), axis=tuple(range(1, jnp.ndim(x))))
+    amax = jnp.maximum(jax.ops.segment_max(rows, ids, count, indices_are_sorted=True), 0)
+    return lax.div(lax.max(amax, _TINY_AMAX), NVFP4_RANGE)
+
+
+def per_row(values: jax.Array, segments: Segments, ndim: int) -> jax.Array:
+    """``values`` (one per segment) for each index of the first axis, shaped to broadcast
+    against an array of ``ndim`` axes; indices in no segment get 1."""
+    rows = jnp.take(values, segments[0], axis=0, mode="fill", fill_value=1)
+    return jnp.reshape(rows, (-1,) + (1,) * (ndim - 1))
 
 
 def _nonzero(scale: jax.Array) -> jax.Array:
@@ -210,15 +237,23 @@ def _nonzero(scale: jax.Array) -> jax.Array:
 
 
 def dequantized_along(x: Any, axis: int, scaling: str, dtype: Any, *,
-                      key: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+                      key: Optional[jax.Array] = None,
+                      segments: Optional[Segments] = None) -> tuple[jax.Array, jax.Array]:
     """``x`` block-quantized along ``axis`` (padded with zeros to whole blocks) and
     dequantized, without its tensor scale: returns (float32 values of ``x``'s shape,
-    tensor scale). For the emulated products, which take float32 operands."""
+    tensor scale). For the emulated products, which take float32 operands. With
+    ``segments`` (of the first axis, not ``axis``), NVFP4 takes one tensor scale per
+    segment, returned ``[count]``."""
+    tensor_scale = None
+    if scaling == "nvfp4" and segments is not None:
+        per_segment = segment_tensor_scales(x, segments)
+        tensor_scale = jnp.moveaxis(per_row(per_segment, segments, jnp.ndim(x)), axis, -1)
     x = jnp.moveaxis(x, axis, -1)
     size, block = jnp.shape(x)[-1], BLOCK_SIZES[scaling]
     padded = _pad_last(x, -size % block)
-    q = quantize_blocks(padded, scaling, dtype, key=key)
-    return jnp.moveaxis(q.dequantized()[..., :size], -1, axis), q.tensor_scale
+    q = quantize_blocks(padded, scaling, dtype, key=key, tensor_scale=tensor_scale)
+    scale = per_segment if tensor_scale is not None else q.tensor_scale
+    return jnp.moveaxis(q.dequantized()[..., :size], -1, axis), scale
 
 
 def _pad_last(x: Any, pad: int) -> Any:
@@ -233,13 +268,14 @@ def dequantized_in_groups(x: Any, ids: jax.Array, sizes: jax.Array, scaling: str
     """``x`` ``[m, c]`` (rows sorted by group, group ``ids``, group ``sizes``) quantized in
     blocks of rows along axis 0, the blocks of each group starting at its first row so that
     no block mixes two groups' rows, and dequantized: returns (float32 ``[m, c]``, tensor
-    scale). The operands of a ragged product's weight gradient, which sums each group's
+    scales: NVFP4's one per group, ``[groups]``). The operands of a ragged product's weight gradient, which sums each group's
     rows. Rows in no group must be zero; they stay zero."""
     x = lax.convert_element_type(x, _F32)
     m, block, groups = jnp.shape(x)[0], BLOCK_SIZES[scaling], jnp.shape(sizes)[0]
-    tensor_scale = nv_tensor_scale(x) if scaling == "nvfp4" else jnp.ones((), _F32)
-    if scaling == "nvfp4":
-        x = lax.div(x, tensor_scale)
+    tensor_scale = jnp.ones((), _F32)
+    if scaling == "nvfp4":  # one per group (expert), as in `dequantized_along`
+        tensor_scale = segment_tensor_scales(x, (ids, groups))
+        x = lax.div(x, per_row(tensor_scale, (ids, groups), 2))
     starts = jnp.cumsum(sizes) - sizes
     counts = (sizes + block - 1) // block
     first_block = jnp.cumsum(counts) - counts
