@@ -89,29 +89,31 @@ class Recipe:
     weights: Any  # the weights' dtype
     method: Optional[str]  # low_precision_params method, or None
     moments: Any  # the moments' dtype (None: plain optax, which keeps them in the weights'
-    #               dtype; EIGHT_BIT: quantize_state's block-scaled float8)
+    #               dtype; EIGHT_BIT, FOUR_BIT: quantize_state's 8- and 4-bit states)
 
     def optimizer(self, inner: optax.GradientTransformation) -> optax.GradientTransformation:
         if self.moments == BF16:
             inner = jmp_policy.cast_state(inner, BF16)
-        if self.moments == EIGHT_BIT:
-            inner = jmp_policy.quantize_state(inner)
+        if self.moments in (EIGHT_BIT, FOUR_BIT):
+            inner = jmp_policy.quantize_state(inner, bits=int(self.moments[0]))
         if self.method is not None:
             inner = jmp_policy.low_precision_params(inner, self.method)
         return inner
 
 
-EIGHT_BIT = "8-bit"
+EIGHT_BIT, FOUR_BIT = "8-bit", "4-bit"
 
 RECIPES = [
     Recipe("adam", jnp.float32, None, jnp.float32),
     Recipe("adam, bf16 moments", jnp.float32, None, BF16),
     Recipe("adam, 8-bit moments", jnp.float32, None, EIGHT_BIT),
+    Recipe("adam, 4-bit moments", jnp.float32, None, FOUR_BIT),
     Recipe("bf16 nearest", BF16, None, None),
     *(Recipe(f"{method}{suffix}", BF16, method, moments)
       for method in ("kahan", "stochastic", "split")
       for suffix, moments in (("", jnp.float32), (" + bf16 moments", BF16),
-                              (" + 8-bit moments", EIGHT_BIT))),
+                              (" + 8-bit moments", EIGHT_BIT),
+                              (" + 4-bit moments", FOUR_BIT))),
 ]
 
 

@@ -73,7 +73,7 @@ class Recipe:
     name: str
     params: str  # "float32" (float32 master weights) or "bfloat16"
     method: Optional[str]  # low_precision_params method; None: none
-    moments: str  # "float32", "bfloat16" (stochastic rounding), "bfloat16-nearest" or "8-bit"
+    moments: str  # "float32", "bfloat16" (stochastic), "bfloat16-nearest", "8-bit" or "4-bit"
     style: str  # matplotlib line style and marker, so that overlapping curves stay apart
 
 
@@ -87,6 +87,8 @@ RECIPES = (
     Recipe("f32 master, bf16 moments (nearest)", "float32", None, "bfloat16-nearest", ":d"),
     Recipe("bf16 stochastic, 8-bit moments", "bfloat16", "stochastic", "8-bit", "-.P"),
     Recipe("f32 master, 8-bit moments", "float32", None, "8-bit", "--*"),
+    Recipe("bf16 stochastic, 4-bit moments", "bfloat16", "stochastic", "4-bit", "-.X"),
+    Recipe("f32 master, 4-bit moments", "float32", None, "4-bit", "--h"),
 )
 
 
@@ -95,8 +97,8 @@ def optimizer(recipe: Recipe, inner: optax.GradientTransformation,
     """``inner`` as the recipe stores it, inside loss_scaling (no scale for bfloat16)."""
     if recipe.params == "bfloat16" and recipe.method is None:
         return jmp_policy.loss_scaling(inner, None)  # plain optax: everything bfloat16
-    if recipe.moments == "8-bit":
-        inner = jmp_policy.quantize_state(inner, seed=seed)
+    if recipe.moments in ("8-bit", "4-bit"):
+        inner = jmp_policy.quantize_state(inner, bits=int(recipe.moments[0]), seed=seed)
     elif recipe.moments != "float32":
         rounding = "nearest" if recipe.moments.endswith("nearest") else "stochastic"
         inner = jmp_policy.cast_state(inner, jnp.bfloat16, rounding=rounding, seed=seed)

@@ -1,31 +1,39 @@
-"""Optimizer states in 8 bits: block-scaled float8 with stochastic rounding.
+"""Optimizer states in 8 or 4 bits: block-scaled codes with stochastic rounding.
 
 `quantize_state` stores the large floating arrays of any optax optimizer's
-state (Adam's moments, momentum, Lion's ``mu``...) as float8_e4m3fn values with
-one float32 scale per block of ``block_size`` consecutive values along the
-last axis: about 1.02 bytes per value instead of 4. Each ``update`` rebuilds
-the float32 state, runs the inner optimizer in float32 and quantizes the new
-state again.
+state (Adam's moments, momentum, Lion's ``mu``...) in 8 bits (float8_e4m3fn
+values) or 4 bits (two codes per byte), with one power-of-two scale per block
+of consecutive values along the last axis, stored as its 8-bit exponent.
+Each ``update`` rebuilds the float32 state, runs the inner optimizer in float32
+and quantizes the new state again.
 
-* **Scales per block.** A block's largest magnitude maps onto float8's largest
-  value (448), so the values of one block share their range and an outlier
-  costs only its block's precision. Blocks run along the last axis, so a
-  state sharded like its parameter keeps its sharding (a block never
-  straddles a shard when the shard's last dimension is a multiple of
-  ``block_size``).
-* **Stochastic rounding.** Each value rounds to one of its two float8
-  neighbours with probabilities that make the stored mean the float32 value:
-  a slowly moving average (Adam's second moment) still moves.
-* **Nonzero stays nonzero.** A nonzero value too small for its block's range
-  is stored as the smallest float8 value of its sign rather than zero: a second
-  moment flushed to zero would turn Adam's step ``mu / (sqrt(nu) + eps)`` into a
-  huge one (the "zero-point problem" of low-bit second moments).
+* **Scales per block.** A block's scale is the power of two just above its
+  largest magnitude (divided by 256 for float8, whose values then stay below
+  its largest, 448), so the values of one block share their range and an
+  outlier costs only its block's precision. Power-of-two scales cost one byte
+  and are exact: scaling changes no mantissa bit. Blocks run along the last
+  axis, so a state sharded like its parameter keeps its sharding (a block
+  never straddles a shard when the shard's last dimension is a multiple of
+  the block).
+* **Codes suited to each moment.** 8 bits: float8_e4m3fn, signed, about 17
+  binades of range. 4 bits: signed powers of two (0, ±2**-6 ... ±1 of the
+  block's scale) for signed states such as momentum; for states that are
+  never negative (``nonnegative`` paths: Adam's second moment ``nu``...),
+  the 16 powers of two 2**-15 ... 1 of the scale, without zero.
+* **Stochastic rounding.** Each value rounds to one of its two neighbouring
+  codes with probabilities that make the stored mean the float32 value: a
+  slowly moving average (Adam's second moment) still moves.
+* **Nonzero stays nonzero.** A nonzero value below the smallest code of its
+  block is stored as that smallest code (8 bits: with its sign; non-negative
+  4-bit codes have no zero) rather than as zero: a second moment flushed to
+  zero turns Adam's step ``mu / (sqrt(nu) + eps)`` into a huge one (the
+  "zero-point problem" of low-bit second moments).
 
-A block is ``block_size`` values, or, where the last dimension is not a
-multiple of it, their greatest common divisor (64 for a last dimension of 64 or
-192) if that is at least 32. Small arrays (fewer than ``min_size`` values),
-arrays without such a block, scalars (step counts, injected hyperparameters)
-and leaves whose path matches a ``keep`` rule stay in float32.
+A block is ``block_size`` values (256 for 8 bits, 128 for 4), or, where the
+last dimension is not a multiple of it, their greatest common divisor if that
+is at least 32. Small arrays (fewer than ``min_size`` values), arrays without
+such a block, scalars (step counts, injected hyperparameters) and leaves whose
+path matches a ``keep`` rule stay in float32.
 
 >>> import jax.numpy as jnp, optax
 >>> import jmp_policy
@@ -33,7 +41,7 @@ and leaves whose path matches a ``keep`` rule stay in float32.
 >>> state = tx.init({"w": jnp.zeros((4, 256))})
 >>> updates, state = tx.update({"w": jnp.ones((4, 256))}, state)
 >>> mu = state.inner_state[0].mu["w"]
->>> mu.values.dtype, mu.values.shape, mu.scales.shape
+>>> mu.values.dtype, mu.values.shape, mu.exponents.shape
 (dtype(float8_e4m3fn), (4, 256), (4, 1))
 >>> round(float(jmp_policy.dequantize(mu)[0, 0]), 6)  # (1 - 0.9) * 1, as in float32 Adam
 0.1
@@ -41,6 +49,7 @@ and leaves whose path matches a ``keep`` rule stay in float32.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import warnings
@@ -55,27 +64,36 @@ from jmp_policy.low_precision import (
     ROUNDINGS, Seed, _check_choice, _key_data, _leaf_seeds, _noise16,
     _refuse_inner_loss_scaling, _split_key)
 
-VALUES = jnp.float8_e4m3fn
-_MAX = 448.0  # float8_e4m3fn's largest value
-# The float8 grid: spacing 2**(e - 3) for magnitudes in [2**e, 2**(e + 1)), e >= -6;
-# below 2**-6, the subnormals, spacing 2**-9.
-_MANTISSA_BITS = 3
-_MIN_EXPONENT = -6
-_SMALLEST = 2.0 ** (_MIN_EXPONENT - _MANTISSA_BITS)
+BITS = (8, 4)
+DEFAULT_BLOCK_SIZE = {8: 256, 4: 128}
+# optax's states that are never negative: second moments (adam, adamw, lamb,
+# rmsprop, adabelief, amsgrad's running maximum), adagrad's sums of squares,
+# adafactor's factored moments.
+NONNEGATIVE = (r"\.nu\b", r"\.nu_max\b", r"\.sum_of_squares\b", r"\.v_row\b",
+               r"\.v_col\b", r"\.v\b")
+
+# The codes, by name: "float8" (8 bits), "signed4" and "nonnegative4" (4 bits).
+FLOAT8, SIGNED4, NONNEGATIVE4 = "float8", "signed4", "nonnegative4"
 
 
-class QuantizedArray(NamedTuple):
-    """A float32 array stored as float8 values and one float32 scale per block.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+    """A float32 array stored as 8- or 4-bit codes and one power-of-two scale per block.
 
     Attributes:
-      values: float8_e4m3fn, the array's shape; a value times its block's scale
-        is the stored number.
-      scales: float32, the array's shape with the last dimension divided by the
-        block size.
+      values: the codes. ``"float8"``: float8_e4m3fn, the array's shape;
+        ``"signed4"`` and ``"nonnegative4"``: uint8, two 4-bit codes per byte
+        (the array's shape with the last dimension halved).
+      exponents: uint8, the array's shape with the last dimension divided by
+        the block size: block ``i``'s scale is ``2.0 ** (exponents[i] - 127)``.
+      code: how the codes read (static: not a leaf): ``"float8"``, ``"signed4"``
+        or ``"nonnegative4"``.
     """
 
     values: jax.Array
-    scales: jax.Array
+    exponents: jax.Array
+    code: str = dataclasses.field(default=FLOAT8, metadata=dict(static=True))
 
 
 class QuantizedState(NamedTuple):
@@ -95,23 +113,30 @@ class QuantizedState(NamedTuple):
 def quantize_state(
     inner: optax.GradientTransformation,
     *,
-    block_size: int = 256,
+    bits: int = 8,
+    block_size: Optional[int] = None,
     min_size: int = 4096,
     keep: Union[str, Sequence[str]] = (),
+    nonnegative: Optional[Union[str, Sequence[str]]] = None,
     rounding: str = "stochastic",
     seed: Seed = 0,
 ) -> optax.GradientTransformationExtraArgs:
-    """Stores ``inner``'s large state arrays in 8 bits; ``inner`` still computes in float32.
+    """Stores ``inner``'s large state arrays in 8 or 4 bits; ``inner`` still computes in float32.
 
     Args:
       inner: the optimizer whose state to quantize (any optax transformation).
+      bits: 8 (float8 values: about 1.004 bytes per value) or 4 (about 0.51).
       block_size: values per scale, along each array's last axis (at most: see
-        above for last dimensions that are not multiples of it).
+        above for last dimensions that are not multiples of it); default 256
+        for 8 bits, 128 for 4.
       min_size: arrays with fewer values stay in float32 (their scales would
         cost more than they save).
       keep: regular expressions; a state array whose key path
         (``jax.tree_util.keystr``, e.g. ``"[0].nu['embed']['embedding']"``)
         matches one stays in float32 (embeddings, as bitsandbytes advises).
+      nonnegative: 4 bits only: regular expressions naming (by key path) the
+        state arrays that are never negative, stored with non-negative codes;
+        default `NONNEGATIVE`, optax's second moments.
       rounding: ``"stochastic"`` (default) or ``"nearest"``.
       seed: an int or a PRNG key for stochastic rounding.
 
@@ -120,30 +145,60 @@ def quantize_state(
       `QuantizedState`. Put `loss_scaling` outside it: a skipped step then
       leaves the quantized state unchanged, bit for bit.
     """
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"quantize_state: block_size must be a positive int, got {block_size!r}.")
+    if bits not in BITS:
+        raise ValueError(f"quantize_state: bits must be 8 or 4, got {bits!r}.")
+    if bits == 8 and nonnegative is not None:
+        raise ValueError("quantize_state: nonnegative applies to 4-bit states (bits=4); "
+                         "8-bit states are float8, signed, for every array.")
+    block_size = DEFAULT_BLOCK_SIZE[bits] if block_size is None else block_size
+    if not isinstance(block_size, int) or block_size < 1 or (bits == 4 and block_size % 2):
+        raise ValueError("quantize_state: block_size must be a positive int (even for "
+                         f"bits=4), got {block_size!r}.")
     rounding = _check_choice("quantize_state", "rounding", rounding, ROUNDINGS)
-    rules = [re.compile(r) for r in ([keep] if isinstance(keep, str) else list(keep))]
+    rules = _compiled(keep)
+    user_nonnegative = nonnegative is not None
+    positive = _compiled(NONNEGATIVE if nonnegative is None else nonnegative)
     data, impl = _key_data(seed, 3, "quantize_state")
     key = data if rounding == "stochastic" else None
     inner = optax.with_extra_args_support(inner)
 
-    def quantized(state: Any, step_key: Optional[jax.Array]) -> Any:
+    def codes(state: Any) -> Any:
+        """Per leaf of ``state``: its code, or ``None`` for a leaf kept as it is."""
+        def one(path: Any, x: Any) -> Optional[str]:
+            if not _quantized_leaf(path, x, block_size, min_size, rules):
+                return None
+            if bits == 8:
+                return FLOAT8
+            name = jax.tree_util.keystr(path)
+            return NONNEGATIVE4 if any(r.search(name) for r in positive) else SIGNED4
+        return jax.tree_util.tree_map_with_path(one, state)
+
+    def quantized(state: Any, step_key: Optional[jax.Array], exponents: Any = None) -> Any:
         seeds = (_leaf_seeds(step_key, state) if step_key is not None
                  else jax.tree_util.tree_map(lambda x: None, state))
+        if exponents is None:
+            exponents = jax.tree_util.tree_map(lambda x: None, state)
 
-        def one(path: Any, x: Any, leaf_seed: Optional[jax.Array]) -> Any:
-            if not _quantized_leaf(path, x, block_size, min_size, rules):
+        def one(x: Any, code: Optional[str], leaf_seed: Any, e: Any) -> Any:
+            if code is None:
                 return x
-            return quantize(x, _block(np.shape(x)[-1], block_size), leaf_seed)
+            return quantize(x, _block(np.shape(x)[-1], block_size), code, leaf_seed, e)
 
-        return jax.tree_util.tree_map_with_path(one, state, seeds,
-                                                is_leaf=lambda x: x is None)
+        return jax.tree_util.tree_map(one, state, codes(state), seeds, exponents,
+                                      is_leaf=lambda x: x is None)
+
+    def block_exponents(state: Any) -> Any:
+        def one(x: Any, code: Optional[str]) -> Any:
+            return None if code is None else _exponents(x, _block(np.shape(x)[-1], block_size),
+                                                        code)
+        return jax.tree_util.tree_map(one, state, codes(state), is_leaf=lambda x: x is None)
 
     def init_fn(params: optax.Params) -> QuantizedState:
         inner_state = inner.init(params)
         _refuse_inner_loss_scaling("quantize_state", inner_state)
-        _check_rules(inner_state, rules, block_size, min_size)
+        _check_rules(inner_state, rules, block_size, min_size, "keep")
+        if user_nonnegative:
+            _check_rules(inner_state, positive, block_size, min_size, "nonnegative")
         return QuantizedState(quantized(inner_state, None), key)
 
     def update_fn(grads: optax.Updates, state: QuantizedState,
@@ -152,58 +207,182 @@ def quantize_state(
         if not isinstance(state, QuantizedState):
             raise TypeError("quantize_state.update expected the QuantizedState made by this "
                             f"transformation's init, got {type(state).__name__}.")
-        widened = jax.tree_util.tree_map(dequantize, state.inner_state, is_leaf=_is_quantized)
-        updates, inner_state = inner.update(grads, widened, params, **extra_args)
+
+        def run(grads: Any, stored: Any, params: Any) -> Tuple[optax.Updates, Any]:
+            widened = jax.tree_util.tree_map(dequantize, stored, is_leaf=_is_quantized)
+            updates, new = inner.update(grads, widened, params, **extra_args)
+            return updates, new
+
+        updates, inner_state = run(grads, state.inner_state, params)
+        # The block exponents are reduced from a byte per eight values, so XLA
+        # recomputes the new state where it quantizes it rather than keeping
+        # it in float32 in between.
+        exponents = block_exponents(inner_state)
         if state.key is None:
-            return updates, QuantizedState(quantized(inner_state, None), None)
+            return updates, QuantizedState(quantized(inner_state, None, exponents), None)
         next_key, step_key = _split_key(state.key, impl)
-        return updates, QuantizedState(quantized(inner_state, step_key), next_key)
+        return updates, QuantizedState(quantized(inner_state, step_key, exponents), next_key)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def quantize(x: Any, block_size: int, seed: Optional[jax.Array] = None) -> QuantizedArray:
-    """``x`` as a `QuantizedArray` with blocks of ``block_size`` along its last axis,
-    rounded stochastically with the uint32 words ``seed`` (to nearest if ``None``)."""
+# --------------------------------------------------------------------------- #
+# Block scales: powers of two, stored as float32 exponents (biased by 127).
+# --------------------------------------------------------------------------- #
+
+# Each code's scaled values stay below this power of two: float8_e4m3fn's
+# largest is 448, so 256; the 4-bit codes span [-1, 1].
+_LOG2_RANGE = {FLOAT8: 8, SIGNED4: 0, NONNEGATIVE4: 0}
+
+
+def _exponents(x: Any, block_size: int, code: str) -> jax.Array:
+    """The uint8 exponent of each block's scale: the largest magnitude's float32
+    exponent, so that every scaled value is below ``2 ** _LOG2_RANGE[code]``."""
     x = jnp.asarray(x, jnp.float32)
+    magnitude = jnp.abs(x).reshape(*x.shape[:-1], -1, block_size)
+    # Halved by elementwise maxima first: they fuse with the computation of
+    # ``x``, while a reduction's input may be stored (XLA:CPU stores it), so
+    # it is an eighth of ``x``, in bytes.
+    while magnitude.shape[-1] % 2 == 0 and magnitude.shape[-1] > block_size // 8:
+        half = magnitude.shape[-1] // 2
+        magnitude = jnp.maximum(magnitude[..., :half], magnitude[..., half:])
+    biased = (jax.lax.bitcast_convert_type(magnitude, jnp.uint32) >> 23).astype(jnp.uint8)
+    largest = jnp.max(biased, axis=-1).astype(jnp.int32)
+    # The largest magnitude is below 2 ** (largest - 126); clipped to the
+    # exponents of normal float32 scales (and their inverses).
+    return jnp.clip(largest + 1 - _LOG2_RANGE[code], 1, 254).astype(jnp.uint8)
+
+
+def _power_of_two(biased: jax.Array) -> jax.Array:
+    """``2.0 ** (biased - 127)`` for uint8/int32 ``biased`` in [1, 254], exactly."""
+    return jax.lax.bitcast_convert_type(biased.astype(jnp.int32) << 23, jnp.float32)
+
+
+def quantize(x: Any, block_size: int, code: str = FLOAT8, seed: Optional[jax.Array] = None,
+             exponents: Optional[jax.Array] = None) -> QuantizedArray:
+    """``x`` as a `QuantizedArray` with blocks of ``block_size`` along its last axis,
+    rounded stochastically with the uint32 words ``seed`` (to nearest if ``None``);
+    ``exponents``, if given, are ``x``'s blocks' (computed if not)."""
+    x = jnp.asarray(x, jnp.float32)
+    if exponents is None:
+        exponents = _exponents(x, block_size, code)
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
-    absmax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
-    inv = jnp.where(absmax > 0, _MAX / jnp.where(absmax > 0, absmax, 1), 0.0)
-    y = blocks * inv
-    if seed is None:
-        q = y.astype(VALUES)
-    else:  # noise hashed from each value's index, in the kernel that rounds
-        u = _noise16(seed, y.shape).astype(jnp.float32) * 2.0 ** -16
-        q = _stochastic(y, u).astype(VALUES)
-    # Nonzero stays nonzero: the smallest float8 magnitude, with the value's sign.
-    q = jnp.where((q == 0) & (y != 0), jnp.sign(y) * _SMALLEST, q.astype(jnp.float32))
-    return QuantizedArray(q.astype(VALUES).reshape(x.shape),
-                          jnp.where(absmax > 0, absmax / _MAX, 0.0)[..., 0])
+    y = blocks * _power_of_two(254 - exponents.astype(jnp.int32))[..., None]
+    u = (None if seed is None
+         else _noise16(seed, y.shape).astype(jnp.float32) * 2.0 ** -16)
+    if code == FLOAT8:
+        values = _float8(y, u)
+    else:
+        values = _pack(_nonnegative4(y, u) if code == NONNEGATIVE4 else _signed4(y, u))
+    return QuantizedArray(values.reshape(*x.shape[:-1], -1), exponents, code)
 
 
 def dequantize(x: Any) -> Any:
     """The float32 array a `QuantizedArray` stores; anything else as it is."""
     if not _is_quantized(x):
         return x
-    values = x.values.astype(jnp.float32)
-    blocks = values.reshape(*x.scales.shape, -1)
-    return (blocks * x.scales[..., None]).reshape(values.shape)
+    if x.code == FLOAT8:
+        values = x.values.astype(jnp.float32)
+    else:
+        codes = _unpack(x.values)
+        values = (_nonnegative4_values(codes) if x.code == NONNEGATIVE4
+                  else _signed4_values(codes))
+    blocks = values.reshape(*x.exponents.shape, -1)
+    return (blocks * _power_of_two(x.exponents)[..., None]).reshape(values.shape)
 
 
-def _stochastic(y: jax.Array, u: jax.Array) -> jax.Array:
-    """``y`` (within float8's range) rounded to a float8 neighbour: up with probability
-    the distance to the lower one over their spacing (all exact in float32)."""
+# --------------------------------------------------------------------------- #
+# The codes. Each rounds scaled values ``y`` (within the code's range) to one
+# of their two neighbouring codes: up with probability (y - low) / spacing
+# when stochastic (``u`` uniform in [0, 1)), to the nearer one otherwise.
+# --------------------------------------------------------------------------- #
+
+def _round_up(y: jax.Array, low: jax.Array, spacing: jax.Array,
+              u: Optional[jax.Array]) -> jax.Array:
+    if u is None:
+        return (y - low) * 2 > spacing
+    return u * spacing < y - low
+
+
+def _binade(magnitude: jax.Array, smallest: int) -> jax.Array:
+    """The power of two at or below ``magnitude``, at least ``2 ** smallest`` (exact)."""
+    e = (jax.lax.bitcast_convert_type(magnitude, jnp.int32) >> 23) - 127
+    return _power_of_two(jnp.maximum(e, smallest) + 127)
+
+
+# float8_e4m3fn: spacing 2**(e - 3) in [2**e, 2**(e + 1)) for e >= -6; below, the
+# subnormals, 2**-9 apart.
+_F8_MANTISSA, _F8_MIN_EXPONENT = 3, -6
+_F8_SMALLEST = 2.0 ** (_F8_MIN_EXPONENT - _F8_MANTISSA)
+
+
+def _float8(y: jax.Array, u: Optional[jax.Array]) -> jax.Array:
     magnitude = jnp.abs(y)
-    exponent = jnp.floor(jnp.log2(jnp.where(magnitude > 0, magnitude, 1.0)))
-    spacing = jnp.exp2(jnp.maximum(exponent, _MIN_EXPONENT) - _MANTISSA_BITS)
+    spacing = _binade(magnitude, _F8_MIN_EXPONENT) * 2.0 ** -_F8_MANTISSA
     low = jnp.floor(magnitude / spacing) * spacing
-    up = (u * spacing) < (magnitude - low)
-    return jnp.sign(y) * jnp.minimum(low + jnp.where(up, spacing, 0.0), _MAX)
+    rounded = low + jnp.where(_round_up(magnitude, low, spacing, u), spacing, 0.0)
+    # Nonzero stays nonzero: the smallest float8 magnitude, with the value's sign.
+    rounded = jnp.where((rounded == 0) & (magnitude != 0), _F8_SMALLEST, rounded)
+    return (jnp.sign(y) * rounded).astype(jnp.float8_e4m3fn)
+
+
+# signed4: bit 3 the sign, bits 0-2 ``k``: 0 for zero, else the magnitude 2**(k - 7).
+_S4_SMALLEST = -6
+
+
+def _signed4(y: jax.Array, u: Optional[jax.Array]) -> jax.Array:
+    magnitude = jnp.minimum(jnp.abs(y), 1.0)
+    low = jnp.where(magnitude < 2.0 ** _S4_SMALLEST, 0.0, _binade(magnitude, _S4_SMALLEST))
+    spacing = jnp.where(low == 0, 2.0 ** _S4_SMALLEST, low)
+    rounded = low + jnp.where(_round_up(magnitude, low, spacing, u), spacing, 0.0)
+    k = jnp.where(rounded == 0, 0,
+                  (jax.lax.bitcast_convert_type(rounded, jnp.int32) >> 23) - 127 + 7)
+    return (k + jnp.where(y < 0, 8, 0)).astype(jnp.uint8)
+
+
+def _signed4_values(codes: jax.Array) -> jax.Array:
+    k = (codes & 7).astype(jnp.int32)
+    magnitude = jnp.where(k == 0, 0.0, _power_of_two(jnp.maximum(k, 1) - 7 + 127))
+    return jnp.where(codes & 8 != 0, -magnitude, magnitude)
+
+
+# nonnegative4: code ``k`` is 2**(k - 15), 15 binades below the scale; no zero.
+_N4_SMALLEST = -15
+
+
+def _nonnegative4(y: jax.Array, u: Optional[jax.Array]) -> jax.Array:
+    magnitude = jnp.clip(y, 0.0, 1.0)
+    low = _binade(magnitude, _N4_SMALLEST)  # below 2**-15: rounds up to it
+    rounded = jnp.minimum(low + jnp.where(_round_up(magnitude, low, low, u), low, 0.0), 1.0)
+    k = (jax.lax.bitcast_convert_type(rounded, jnp.int32) >> 23) - 127 - _N4_SMALLEST
+    return k.astype(jnp.uint8)
+
+
+def _nonnegative4_values(codes: jax.Array) -> jax.Array:
+    return _power_of_two(codes.astype(jnp.int32) + _N4_SMALLEST + 127)
+
+
+def _pack(codes: jax.Array) -> jax.Array:
+    """Pairs of 4-bit codes along the last axis, one byte each (the first low)."""
+    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def _unpack(values: jax.Array) -> jax.Array:
+    # Each byte repeated, then shifted by its position's half: a broadcast and an
+    # elementwise op that fuse into the consumer (a concatenation of the two
+    # halves would be stored first).
+    both = jnp.broadcast_to(values[..., None], (*values.shape, 2)).reshape(
+        *values.shape[:-1], -1)
+    shift = (jax.lax.broadcasted_iota(jnp.uint8, both.shape, both.ndim - 1) & 1) * 4
+    return (both >> shift) & 15
 
 
 def _block(last: int, block_size: int) -> int:
     """The block of an array whose last dimension is ``last``: 0 for none."""
     block = math.gcd(last, block_size)
+    if block % 2 and not block_size % 2:  # 4-bit codes pair up within a block
+        return 0
     return block if block >= min(block_size, _MIN_BLOCK) else 0
 
 
@@ -225,17 +404,23 @@ def _quantized_leaf(path: Any, x: Any, block_size: int, min_size: int,
     return not any(r.search(name) for r in rules)
 
 
+def _compiled(rules: Union[str, Sequence[str]]) -> list[re.Pattern[str]]:
+    return [re.compile(r) for r in ([rules] if isinstance(rules, str) else list(rules))]
+
+
 def _check_rules(state: Any, rules: Sequence[re.Pattern[str]], block_size: int,
-                 min_size: int) -> None:
-    """Warns of a ``keep`` rule that matches no state array, and of large arrays left in
-    float32 because of their shape."""
+                 min_size: int, argument: str) -> None:
+    """Warns of a rule that matches no state array, and (for ``keep``) of large arrays
+    left in float32 because of their shape."""
     paths = [(jax.tree_util.keystr(p), x)
              for p, x in jax.tree_util.tree_leaves_with_path(state)]
     for rule in rules:
         if not any(rule.search(name) for name, _ in paths):
-            warnings.warn(f"quantize_state: the keep rule {rule.pattern!r} matches no array of "
-                          f"the optimizer state (its paths look like {paths[0][0]!r}).",
-                          UserWarning, stacklevel=3)
+            warnings.warn(f"quantize_state: the {argument} rule {rule.pattern!r} matches no "
+                          f"array of the optimizer state (its paths look like "
+                          f"{paths[0][0]!r}).", UserWarning, stacklevel=3)
+    if argument != "keep":
+        return
     odd = [name for name, x in paths
            if getattr(x, "dtype", None) is not None and jnp.issubdtype(x.dtype, jnp.floating)
            and np.size(x) >= min_size and jnp.ndim(x) > 0

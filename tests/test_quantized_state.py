@@ -1,4 +1,4 @@
-"""quantize_state: optimizer states as block-scaled float8 with stochastic rounding."""
+"""quantize_state: optimizer states as block-scaled 8- and 4-bit codes with stochastic rounding."""
 
 import warnings
 
@@ -15,15 +15,26 @@ from jmp_policy import QuantizedArray, dequantize, quantize_state
 RNG = np.random.RandomState(0)
 
 
-def _quantized(x, seed=None, block=256):
-    """``x`` through quantize_state's storage, as a float32 array (momentum of one step)."""
+def _quantized(x, seed=None, block=256, **kwargs):
+    """``x`` through quantize_state's storage (momentum of one step)."""
     # optax.trace's state after one step with decay 0 is the gradient itself.
     tx = quantize_state(optax.trace(decay=0.0), min_size=0, block_size=block,
                         rounding="nearest" if seed is None else "stochastic",
-                        seed=0 if seed is None else seed)
+                        seed=0 if seed is None else seed, **kwargs)
     state = tx.init(jnp.zeros_like(x))
     _, state = tx.update(jnp.asarray(x), state)
     return state.inner_state.trace
+
+
+def _scales(q):
+    """Each block's scale, from its stored exponent."""
+    return 2.0 ** (np.asarray(q.exponents, np.float64) - 127)
+
+
+def _power_of_two_above(absmax, log2_range):
+    """The scale quantize_state's docs give: the power of two just above a block's largest
+    magnitude, over the code's range (2**8 for float8, 1 for 4 bits)."""
+    return 2.0 ** (np.floor(np.log2(absmax)) + 1 - log2_range)
 
 
 def _spacing(y):
@@ -37,11 +48,12 @@ def test_quantization_error_is_within_a_float8_spacing_per_block(seed):
     x = (RNG.randn(8, 512) * np.exp(RNG.randn(8, 512) * 2)).astype(np.float32)
     q = _quantized(x, seed)
     assert isinstance(q, QuantizedArray) and q.values.dtype == jnp.float8_e4m3fn
-    assert q.scales.shape == (8, 2)
+    assert q.exponents.shape == (8, 2) and q.exponents.dtype == jnp.uint8
     blocks = x.reshape(8, 2, 256)
-    scale = np.abs(blocks).max(-1, keepdims=True) / 448
-    np.testing.assert_allclose(np.asarray(q.scales), scale[..., 0], rtol=1e-6)
+    scale = _power_of_two_above(np.abs(blocks).max(-1, keepdims=True), 8)
+    np.testing.assert_array_equal(_scales(q), scale[..., 0])
     y = blocks / scale
+    assert np.abs(y).max() < 256
     err = np.abs(np.asarray(dequantize(q)).reshape(8, 2, 256) / scale - y)
     bound = _spacing(y) * (0.5 if seed is None else 1.0)
     # The smallest magnitudes round up to the smallest float8 value, not to zero.
@@ -58,12 +70,68 @@ def test_stochastic_rounding_is_unbiased():
     # In units of each value's float8 spacing (after scaling): a draw is one of two
     # neighbours, so the mean of n draws is within 0.5 / sqrt(n) of x (one std), and
     # the errors of the 256 values average out.
-    scale = np.abs(x).max() / 448
+    scale = _power_of_two_above(np.abs(x).max(), 8)
     err = (mean - x) / (_spacing(x / scale) * scale)
     assert np.abs(err).max() < 4 * 0.5 / np.sqrt(len(draws))
     assert abs(err.mean()) < 4 * 0.5 / np.sqrt(len(draws) * x.size)
     nearest = np.asarray(dequantize(_quantized(x)))
     assert np.abs(nearest - x).mean() > 2 * np.abs(mean - x).mean()
+
+
+def _signed4_grid():
+    """The signed 4-bit code's magnitudes: zero and the powers of two 2**-6 ... 1."""
+    return np.concatenate([[0.0], 2.0 ** np.arange(-6, 1)])
+
+
+@pytest.mark.parametrize("seed", [None, 3])
+def test_4_bit_codes_are_the_documented_grids_within_one_step(seed):
+    x = (RNG.randn(4, 256) * np.exp(RNG.randn(4, 256))).astype(np.float32)
+    x[0, :8] = 0.0
+    momentum = _quantized(x, seed, block=128, bits=4)
+    assert momentum.code == "signed4" and momentum.values.dtype == jnp.uint8
+    assert momentum.values.shape == (4, 128) and momentum.exponents.shape == (4, 2)
+    blocks = x.reshape(4, 2, 128)
+    scale = _power_of_two_above(np.abs(blocks).max(-1, keepdims=True), 0)
+    np.testing.assert_array_equal(_scales(momentum), scale[..., 0])
+    y = blocks / scale
+    got = np.asarray(dequantize(momentum)).reshape(4, 2, 128) / scale
+    grid = _signed4_grid()
+    assert np.isin(np.abs(got), grid).all() and (np.sign(got) * np.sign(y) >= 0).all()
+    # Each value lands on one of the two grid points around it (the nearer one when
+    # rounding to nearest).
+    index = np.searchsorted(grid, np.abs(y), side="right") - 1
+    low, high = grid[index], grid[np.minimum(index + 1, len(grid) - 1)]
+    assert ((np.abs(got) == low) | (np.abs(got) == high)).all()
+    if seed is None:
+        nearer = np.where(np.abs(y) - low > high - np.abs(y), high, low)
+        np.testing.assert_array_equal(np.abs(got), nearer)
+    assert (got.reshape(4, 256)[0, :8] == 0).all()
+
+    # A second moment (optax's ``nu``): the non-negative grid 2**-15 ... 1, no zero.
+    tx = quantize_state(optax.scale_by_rms(decay=0.0, eps=0.0), bits=4, min_size=0,
+                        rounding="nearest" if seed is None else "stochastic")
+    state = tx.init(jnp.zeros_like(x))
+    _, state = tx.update(jnp.asarray(x), state)
+    nu = state.inner_state.nu
+    assert nu.code == "nonnegative4"
+    scale = _power_of_two_above((x ** 2).reshape(4, 2, 128).max(-1, keepdims=True), 0)
+    got = np.asarray(dequantize(nu)).reshape(4, 2, 128) / scale
+    assert np.isin(got, 2.0 ** np.arange(-15, 1)).all()      # zeros of x stored as 2**-15
+    y = (x ** 2).reshape(4, 2, 128) / scale
+    assert ((got <= 2 * np.maximum(y, 2.0 ** -15)) & (got >= np.minimum(y, 1) / 2)).all()
+
+
+def test_4_bit_stochastic_rounding_is_unbiased():
+    x = ((RNG.rand(1, 128) - 0.5) * 2).astype(np.float32)
+    x[0, 0] = 1.0   # the block's scale is then 2: every value within the grid's span
+    draws = np.stack([np.asarray(dequantize(_quantized(x, seed, block=128, bits=4)))
+                      for seed in range(400)])
+    grid = _signed4_grid() * 2
+    index = np.searchsorted(grid, np.abs(x), side="right") - 1
+    spacing = grid[np.minimum(index + 1, len(grid) - 1)] - grid[index]
+    err = (draws.mean(0) - x) / np.where(spacing > 0, spacing, 1)
+    assert np.abs(err).max() < 4 * 0.5 / np.sqrt(len(draws))
+    assert abs(err.mean()) < 4 * 0.5 / np.sqrt(len(draws) * x.size)
 
 
 def test_zero_blocks_and_outliers_keep_to_their_block():
@@ -72,8 +140,8 @@ def test_zero_blocks_and_outliers_keep_to_their_block():
     x[1, 5] = 1e6                               # an outlier in the second block
     q = _quantized(x)
     got = np.asarray(dequantize(q))
-    assert (got[0] == 0).all() and float(q.scales[0, 0]) == 0.0
-    assert got[1, 5] == pytest.approx(1e6, rel=1e-6)
+    assert (got[0] == 0).all() and (np.asarray(q.values[0], np.float32) == 0).all()
+    assert got[1, 5] == pytest.approx(1e6, rel=2.0 ** -4)  # float8 precision
     # The other values of the outlier's block are far below its range: kept nonzero, at
     # the smallest float8 value of that block (positive, never above their true value's
     # block range), while the third block keeps them to float8's precision.
@@ -107,7 +175,14 @@ def test_adam_trains_like_float32_on_a_regression():
     assert isinstance(state.inner_state[0].nu, QuantizedArray)
     initial = float(loss(jnp.zeros((64, 256))))
     assert float32 < 0.05 * initial
-    assert quantized == pytest.approx(float32, rel=0.05)  # nearest rounding: 14% worse
+    assert quantized == pytest.approx(float32, rel=0.05)
+    # 4 bits: coarser (Adam's noise floor is higher) but converging; with signed codes
+    # for the second moment (no non-negative ones) it diverges.
+    four, state = train(quantize_state(optax.adam(3e-2), bits=4, min_size=0))
+    assert state.inner_state[0].nu.code == "nonnegative4"
+    assert four < 1.5 * float32
+    signed_nu, _ = train(quantize_state(optax.adam(3e-2), bits=4, min_size=0, nonnegative=()))
+    assert not signed_nu < 10 * float32
 
 
 def test_state_bytes_per_value():
@@ -116,9 +191,12 @@ def test_state_bytes_per_value():
     state = tx.init(params)
     leaves = jax.tree.leaves(state.inner_state)
     nbytes = sum(x.nbytes for x in leaves)
-    # Two moments of 2**20 values at 1 + 4/256 bytes each, the small ones in float32.
-    assert nbytes == pytest.approx(2 * (2 ** 20 * (1 + 4 / 256) + 400) + 4, rel=1e-3)
+    # Two moments of 2**20 values at 1 + 1/256 bytes each, the small ones in float32.
+    assert nbytes == pytest.approx(2 * (2 ** 20 * (1 + 1 / 256) + 400) + 4, rel=1e-4)
     assert state.inner_state[0].mu["small"].dtype == jnp.float32
+    four = quantize_state(optax.adam(1e-3), bits=4).init(params).inner_state
+    assert sum(x.nbytes for x in jax.tree.leaves(four)) == pytest.approx(
+        2 * (2 ** 20 * (0.5 + 1 / 128) + 400) + 4, rel=1e-4)
 
 
 def test_a_skipped_step_leaves_the_quantized_state_unchanged_bit_for_bit():
@@ -164,7 +242,7 @@ def test_composes_with_multisteps_and_inject_hyperparams():
 def test_a_last_dimension_that_is_not_a_multiple_takes_a_smaller_block():
     tx = quantize_state(optax.adam(1e-3), min_size=0)
     mu = tx.init({"w": jnp.zeros((8, 192))}).inner_state[0].mu["w"]
-    assert isinstance(mu, QuantizedArray) and mu.scales.shape == (8, 3)  # blocks of 64
+    assert isinstance(mu, QuantizedArray) and mu.exponents.shape == (8, 3)  # blocks of 64
 
 
 def test_leaves_kept_in_float32_and_rules_that_match_nothing():
@@ -177,6 +255,9 @@ def test_leaves_kept_in_float32_and_rules_that_match_nothing():
     assert isinstance(mu["w"], QuantizedArray)
     with pytest.warns(UserWarning, match="keep rule 'embedding' matches no array"):
         quantize_state(optax.adam(1e-3), min_size=0, keep="embedding").init({"w": params["w"]})
+    with pytest.warns(UserWarning, match=r"nonnegative rule 'nu_hat' matches no array"):
+        quantize_state(optax.adam(1e-3), bits=4, min_size=0,
+                       nonnegative="nu_hat").init({"w": params["w"]})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         quantize_state(optax.adam(1e-3)).init(params)   # small arrays: quietly float32
@@ -185,6 +266,9 @@ def test_leaves_kept_in_float32_and_rules_that_match_nothing():
 @pytest.mark.parametrize("kwargs,match", [
     ({"block_size": 0}, "block_size must be a positive int"),
     ({"rounding": "stochastik"}, "did you mean 'stochastic'"),
+    ({"bits": 2}, "bits must be 8 or 4"),
+    ({"bits": 4, "block_size": 33}, "even for bits=4"),
+    ({"nonnegative": "nu"}, "nonnegative applies to 4-bit states"),
 ])
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -207,30 +291,33 @@ mesh = jax.make_mesh((2, 4), ("data", "model"))
 spec = {"w": P("data", "model"), "v": P(None, "model")}
 params = {"w": jnp.ones((16, 4 * 512)), "v": jnp.ones((8, 4 * 256))}
 grads = jax.tree.map(lambda p: jnp.linspace(-1, 1, p.size).reshape(p.shape), params)
-tx = jmp_policy.quantize_state(optax.adam(1e-2), min_size=0)
 put = lambda tree: jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, spec)
+facts = {}
+for bits in (8, 4):
+    tx = jmp_policy.quantize_state(optax.adam(1e-2), bits=bits, min_size=0)
 
-def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
 
-single = jax.jit(step)(params, tx.init(params), grads)
-with jax.set_mesh(mesh):
-    state = jax.jit(tx.init)(put(params))
-    compiled = jax.jit(step).lower(put(params), state, put(grads)).compile()
-    sharded = compiled(put(params), state, put(grads))
-text = compiled.as_text()
-mu = sharded[1].inner_state[0].mu
-facts = {
-    "collectives": [op for op in ("all-gather", "all-to-all", "collective-permute")
-                    if op in text],
-    "values_like_params": all(mu[k].values.sharding.is_equivalent_to(
-        NamedSharding(mesh, spec[k]), 2) for k in spec),
-    "scales_like_params": all(mu[k].scales.sharding.is_equivalent_to(
-        NamedSharding(mesh, spec[k]), 2) for k in spec),
-    "same_as_one_device": all(np.asarray(a).tobytes() == np.asarray(b).tobytes()
-                              for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single))),
-}
+    single = jax.jit(step)(params, tx.init(params), grads)
+    with jax.set_mesh(mesh):
+        state = jax.jit(tx.init)(put(params))
+        compiled = jax.jit(step).lower(put(params), state, put(grads)).compile()
+        sharded = compiled(put(params), state, put(grads))
+    text = compiled.as_text()
+    moments = [sharded[1].inner_state[0].mu, sharded[1].inner_state[0].nu]
+    facts[bits] = {
+        "collectives": [op for op in ("all-gather", "all-to-all", "collective-permute")
+                        if op in text],
+        "values_like_params": all(m[k].values.sharding.is_equivalent_to(
+            NamedSharding(mesh, spec[k]), 2) for m in moments for k in spec),
+        "scales_like_params": all(m[k].exponents.sharding.is_equivalent_to(
+            NamedSharding(mesh, spec[k]), 2) for m in moments for k in spec),
+        "same_as_one_device": all(np.asarray(a).tobytes() == np.asarray(b).tobytes()
+                                  for a, b in zip(jax.tree.leaves(sharded),
+                                                  jax.tree.leaves(single))),
+    }
 json.dump(facts, open(sys.argv[1], "w"))
 """
 
@@ -248,14 +335,16 @@ def test_quantized_states_stay_sharded_like_their_parameters(tmp_path):
     proc = subprocess.run([sys.executable, str(script), str(out)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert json.loads(out.read_text()) == {
-        "collectives": [], "values_like_params": True, "scales_like_params": True,
-        "same_as_one_device": True}
+    facts = {"collectives": [], "values_like_params": True, "scales_like_params": True,
+             "same_as_one_device": True}
+    assert json.loads(out.read_text()) == {"8": facts, "4": facts}
 
 
-def test_orbax_checkpoint_resumes_bit_identically(tmp_path):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_orbax_checkpoint_resumes_bit_identically(tmp_path, bits):
     ocp = pytest.importorskip("orbax.checkpoint")
-    tx = jmp_policy.loss_scaling(quantize_state(optax.adam(1e-2), min_size=0), "mixed_float16")
+    tx = jmp_policy.loss_scaling(quantize_state(optax.adam(1e-2), bits=bits, min_size=0),
+                                 "mixed_float16")
     params = {"w": jnp.ones((2, 512))}
     grads = {"w": jnp.asarray(RNG.randn(2, 512).astype(np.float32))}
     step = jax.jit(lambda s: tx.update(grads, s, params))
@@ -266,14 +355,16 @@ def test_orbax_checkpoint_resumes_bit_identically(tmp_path):
     checkpointer.save(tmp_path / "ckpt", state)
     checkpointer.wait_until_finished()
     restored = checkpointer.restore(tmp_path / "ckpt", jax.eval_shape(lambda: state))
-    assert restored.inner_state.inner_state[0].mu["w"].values.dtype == jnp.float8_e4m3fn
+    mu = restored.inner_state.inner_state[0].mu["w"]
+    assert mu.values.dtype == (jnp.float8_e4m3fn if bits == 8 else jnp.uint8)
     chex.assert_trees_all_equal(step(restored), step(state))
 
 
 @pytest.mark.parametrize("make", [
     lambda: optax.lion(1e-3), lambda: optax.sgd(1e-2, momentum=0.9),
     lambda: optax.adafactor(1e-2), lambda: optax.adamw(1e-3)])
-def test_any_optimizer_steps_like_its_float32_self(make):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_any_optimizer_steps_like_its_float32_self(make, bits):
     params = {"w": jnp.asarray(RNG.randn(8, 256).astype(np.float32))}
     grads = [{"w": jnp.asarray(RNG.randn(8, 256).astype(np.float32))} for _ in range(3)]
 
@@ -285,11 +376,12 @@ def test_any_optimizer_steps_like_its_float32_self(make):
         return np.stack(out), state
 
     want, _ = run(make())
-    got, state = run(quantize_state(make(), min_size=64))  # adafactor: its row factors stay
+    got, state = run(quantize_state(make(), bits=bits, min_size=64))  # adafactor: rows stay
     assert any(isinstance(x, QuantizedArray) for x in jax.tree.leaves(
         state.inner_state, is_leaf=lambda x: isinstance(x, QuantizedArray)))
     assert np.isfinite(got).all()
     # Float8 holds 3 mantissa bits: the moments, and so the steps, within ~6% (Lion's
     # steps are signs: equal but where a moment is near zero).
+    # 4 bits: powers of two apart, steps within 5-21% here.
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
-    assert err < 0.1, err
+    assert err < (0.1 if bits == 8 else 0.3), err
