@@ -13,7 +13,7 @@ import jax.numpy as jnp
 if TYPE_CHECKING:
     from jmp_policy.inspector import ScopeRange
 
-FORMATS = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+FORMATS = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
 _PHASE_COLORS = {"forward": "tab:blue", "backward": "tab:orange"}
 _FORMAT_COLOR = "0.45"
 

@@ -98,7 +98,13 @@ class NumericsRow:
       fp8_saturated: for a float8 product, how many operand values saturate
         (are beyond the float8 format after scaling, inf and NaN included): the
         overflows of the casts to float8 that made its operands; ``None`` for
-        other operations.
+        other operations. A block-scaled product (``fp8="mxfp8"``, ``"nvfp4"``)
+        is one too, its ``dtype`` the format of its values
+        (``"float4_e2m1fn"`` for NVFP4): NVFP4 saturates the values that its
+        block scale, rounded to a ``float8_e4m3fn`` value, takes to 7 or
+        beyond, where rounding would no longer give e2m1's largest value, 6
+        (blocks whose scales fall among e4m3's subnormals); MXFP8's scales
+        round up, and saturate nothing.
       fp8_flushed: for a float8 product, how many nonzero operand values
         become zero in float8 (those casts' underflows); ``None`` for other
         operations.
@@ -203,8 +209,8 @@ class NumericsReport(SequenceABC[NumericsRow]):
 
         For each scope (and phase), a bar from the smallest nonzero to the
         largest magnitude of its results in the float32 evaluation, drawn
-        against the ranges of float16, bfloat16, float8_e4m3fn and float8_e5m2
-        (normal range solid, subnormals lighter): a bar that leaves a format's
+        against the ranges of float16, bfloat16, float8_e4m3fn, float8_e5m2 and
+        float4_e2m1fn (NVFP4's values; normal range solid, subnormals lighter): a bar that leaves a format's
         range shows a scope that overflows or underflows in it. Scopes with
         overflowing operations are drawn in red. Needs matplotlib.
         """
@@ -504,7 +510,8 @@ def _report(registry: Registry, sink: HostSink, meta: _Meta,
             size=int(lo["size"]),
             float32_min=lo["f32_min"] if math.isfinite(lo["f32_min"]) else None,
             float32_max=lo["f32_max"],
-            fp8_saturated=sum(int(c.get("overflow", 0)) for c in casts) if info.fp8 else None,
+            fp8_saturated=sum(int(c.get("overflow", 0)) + int(c.get("saturated", 0))
+                              for c in casts) if info.fp8 else None,
             fp8_flushed=sum(int(c.get("underflow", 0)) for c in casts) if info.fp8 else None,
             shapes=info.shapes))
         same = (rows[-1].scope, rows[-1].primitive, rows[-1].phase, rows[-1].shapes)

@@ -389,3 +389,29 @@ def test_linen_nnx_and_equinox_models():
     h = autocast(lambda m, x: jax.vmap(m)(x), "mixed_bfloat16", fp8="mxfp8")
     assert casts_to(jax.grad(lambda m: jnp.sum(h(m, x).astype(F32))), linear) == {E4M3: 6}
     assert rel_error(h(linear, x), jax.vmap(linear)(x)) < 0.05
+
+
+# --- the numerics inspector ------------------------------------------------------------------
+
+def test_inspector_reports_block_products_with_saturated_and_flushed_values(tmp_path):
+    # NVFP4, x: the tensor scale is 1 (2688 = 6 * 448); in the second block 0.0174 / 6 =
+    # 0.0029 is 1.48 of e4m3's smallest subnormal, 2**-9: the scale 2**-9 takes 0.0174 to
+    # 8.9, beyond 7 (where rounding stops giving e2m1's largest value, 6): saturated to 6;
+    # 0.0002 * 2**9 = 0.1 is below 0.25 (half e2m1's smallest subnormal): flushed.
+    # w (ones) is exact.
+    x = jnp.zeros((16, 32)).at[0, 0].set(2688.0).at[1, 16].set(0.0174).at[1, 17].set(0.0002)
+    w = jnp.ones((32, 16))
+    report = jmp_policy.inspect_numerics(jnp.matmul, "float32", fp8="nvfp4")(x, w)
+    (row,) = [r for r in report.rows if r.primitive == "dot_general"]
+    assert (row.dtype, row.fp8_saturated, row.fp8_flushed) == ("float4_e2m1fn", 1, 1)
+    # MXFP8, x: 1e-4 is below 2**-10 (half e4m3's smallest subnormal) in a block whose
+    # maximum is 448: flushed. Its scales round up: nothing saturates.
+    x = jnp.zeros((16, 32)).at[0, 0].set(448.0).at[0, 1].set(1e-4).at[1, 0].set(3.0)
+    report = jmp_policy.inspect_numerics(jnp.matmul, "float32", fp8="mxfp8")(x, w)
+    (row,) = [r for r in report.rows if r.primitive == "dot_general"]
+    assert (row.dtype, row.fp8_saturated, row.fp8_flushed) == ("float8_e4m3fn", 0, 1)
+    pytest.importorskip("matplotlib")
+    from jmp_policy import _numerics_plot
+    assert "float4_e2m1fn" in _numerics_plot.FORMATS  # drawn next to the float8 formats
+    report.plot(str(tmp_path / "ranges.png"))
+    assert (tmp_path / "ranges.png").stat().st_size > 0

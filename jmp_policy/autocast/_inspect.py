@@ -73,7 +73,7 @@ SQUARE_SCALES = (64, 0, -64)
 
 # How each statistic combines across iterations, branches and repeated call sites.
 _REDUCTION: dict[str, str] = {
-    "size": "sum", "max_abs": "max", "subnormal": "sum", "overflow": "sum",
+    "size": "sum", "max_abs": "max", "subnormal": "sum", "overflow": "sum", "saturated": "sum",
     "nonzero": "sum", "underflow": "sum", "f32_min": "min", "f32_max": "max",
     **{f"{name}@{k}": "sum" for name in ("err_sq", "ref_sq") for k in SQUARE_SCALES},
 }
@@ -155,6 +155,7 @@ class Registry:
     def __init__(self) -> None:
         self.rows: list[RowInfo] = []
         self.fp8_casts: dict[int, list[int]] = {}  # a float8 product's row: its casts' rows
+        self.cast_dtypes: dict[int, DType] = {}  # a cast to float8 (float4): its format
         self._numbers: dict[tuple[int, str], int] = {}
         self._eqns: list[JaxprEqn] = []  # kept alive, so that their ids are not reused
 
@@ -208,15 +209,21 @@ def _value_bits(ref: Any, low: Any) -> dict[str, jax.Array]:
     return {**bits, **{f"{k}_finite": finite_mask(b) for k, b in bits.items()}}
 
 
-def _result_fields(b: dict[str, jax.Array], tiny: float) -> dict[str, jax.Array]:
-    """The arrays reduced into one result's statistics (see `grouped_stats`)."""
+def _result_fields(b: dict[str, jax.Array], tiny: float,
+                   top: Optional[float] = None) -> dict[str, jax.Array]:
+    """The arrays reduced into one result's statistics (see `grouped_stats`). ``top``:
+    for a low-precision dtype that has neither inf nor NaN (``float4_e2m1fn``), to whose
+    largest value a conversion saturates what lies beyond it, where the values that
+    rounding would not take to that largest value begin."""
     w = b["ref"] & b["ref_finite"]  # finite magnitudes; 0 for inf and NaN
     v = b["low"] & b["low_finite"]
+    beyond = 0 if top is None else (1 - below(w, np.float32(top).view(I32)))
     return {"max_abs": v,
             "subnormal": _subnormal(v, tiny),
             "f32_min": _nonzero_or_inf(w),
             "f32_max": w,
             "overflow": (b["low_finite"] + 1) & b["ref_finite"],  # low inf/NaN, float32 finite
+            "saturated": beyond & b["ref_finite"],  # finite, made the dtype's largest value
             "nonzero": positive(w),
             "underflow": positive(w) & below(b["low"], 1)}  # float32 nonzero, low zero
 
@@ -317,12 +324,27 @@ def _group_stats(group: Sequence[Result]) -> Stats:
     b = _value_bits(ref, low)
     bounded = float(jnp.finfo(dtype_of(low)).max) <= _BOUNDED  # type: ignore[no-untyped-call]
     scales = (0,) if bounded else SQUARE_SCALES
-    (stats,) = _reduced([{**_result_fields(b, tiny), **_square_fields((ref, low), b, scales)}],
+    top = _saturates_at(dtype_of(low))
+    (stats,) = _reduced([{**_result_fields(b, tiny, top), **_square_fields((ref, low), b, scales)}],
                         first=1)
     return {**stats, "size": size}
 
 
 _BOUNDED = float(np.finfo(np.float16).max)
+
+
+@functools.lru_cache(maxsize=None)
+def _saturates_at(dtype: Any) -> Optional[float]:
+    """For a floating ``dtype`` that has neither inf nor NaN (a conversion to it saturates:
+    ``float4_e2m1fn``), the magnitude from which a value saturates: halfway from its
+    largest value to the next one a wider exponent would give (below it, rounding to
+    nearest gives the largest value anyway; 7 for e2m1). ``None`` for other dtypes."""
+    with np.errstate(all="ignore"):
+        inf = np.array([np.inf, np.nan], np.float32).astype(dtype).astype(np.float32)
+    if not np.isfinite(inf).all():
+        return None
+    info = jnp.finfo(dtype)  # type: ignore[no-untyped-call]
+    return float(info.max) + 2.0 ** (int(info.maxexp) - 1 - int(info.nmant)) / 2
 
 
 HISTOGRAM_SAMPLE = 4096
@@ -416,6 +438,8 @@ class Observer:
         self.sink = sink
         self.dead = dead
         self._fp8_casts: dict[int, tuple[Any, int]] = {}  # id of a float8 value: its cast
+        # id of a value dequantized from float8 (float4) casts: (the value, their rows)
+        self._dequantized: dict[int, tuple[Any, list[int]]] = {}
         self._levels: list[_Level] = []
         self._higher_order = higher_order_names()
         self._unvisited: set[str] = set()
@@ -424,18 +448,19 @@ class Observer:
                  outs: Sequence[Any]) -> None:
         if id(eqn) in self.dead or eqn.primitive.name in self._higher_order:
             return  # a higher-order primitive's equations were observed one by one
+        block = self._track_dequantized(eqn, invals, outs)
         if _sub_jaxprs(eqn) and eqn.primitive.name not in _TRACED:  # a scatter's combiner
             self._warn_unvisited(eqn.primitive.name)                  # is not a body
             return
         floats = [i for i, v in enumerate(eqn.outvars) if _floating_aval(v)]
-        if not floats or not _runs_narrow(eqn) or _preserves_values(eqn) or not any(
+        if not floats or not (_runs_narrow(eqn) or block) or _preserves_values(eqn) or not any(
                 _floating_aval(v) for v in eqn.invars):
             return  # it loses nothing against float32 (or makes its values: empty, iota)
         # Results in float32 from narrow operands (a product accumulated in float32) are
         # what the equation computes in float32: nothing to evaluate again.
         exact = all(represents(_dtype(eqn.outvars[i]), F32) for i in floats)
         refs = list(outs) if exact else _float32_bind(eqn, list(invals))
-        info = self._info(eqn, ctx.scope)
+        info = self._info(eqn, ctx.scope, block)
         number = self.registry.number(eqn, info)
         # A float8 product's result is rescaled and continues in the compute dtype: its
         # subnormals are the compute dtype's.
@@ -445,7 +470,33 @@ class Observer:
                              for i in floats)
         if info.gradient:
             level.samples.extend(_sample(refs[i]) for i in floats)
-        self._link_fp8(eqn, invals, outs, number, info)
+        self._link_fp8(eqn, invals, outs, number, info, block)
+
+    def _track_dequantized(self, eqn: JaxprEqn, invals: Sequence[Any],
+                           outs: Sequence[Any]) -> Optional[list[int]]:
+        """Follows values dequantized from float8 (float4) casts, as block-scaled products
+        emulate them: a product of such values runs on block-scaled operands. Returns,
+        for a product whose floating operands all are, their casts' rows."""
+        name = eqn.primitive.name
+        found = [self._dequantized.get(id(x)) for x in invals]
+        sources = [rows for x, f in zip(invals, found) if f is not None and f[0] is x
+                   for rows in (f[1],)]
+        if name in MATMUL_PRIMITIVES:
+            operands = [x for x, v in zip(invals, eqn.invars) if _floating_aval(v)]
+            if operands and len(sources) == len(operands):
+                return [n for rows in sources for n in rows]
+            return None
+        cast = self._fp8_casts.get(id(invals[0])) if invals else None
+        if cast is not None and cast[0] is invals[0] and name in VALUE_PRESERVING:
+            self._fp8_casts[id(outs[0])] = (outs[0], cast[1])  # a float8 value, laid out
+        if name == "convert_element_type" and _floating_aval(eqn.invars[0]) \
+                and _is_float8(_dtype(eqn.invars[0])):
+            cast = self._fp8_casts.get(id(invals[0]))
+            if cast is not None and cast[0] is invals[0]:
+                self._dequantized[id(outs[0])] = (outs[0], [cast[1]])
+        elif sources and name in _DEQUANTIZING:
+            self._dequantized[id(outs[0])] = (outs[0], [n for rows in sources for n in rows])
+        return None
 
     @contextlib.contextmanager
     def jaxpr(self) -> Iterator[None]:
@@ -470,8 +521,10 @@ class Observer:
         finally:
             self._levels.pop()
 
-    def _info(self, eqn: JaxprEqn, path: str) -> RowInfo:
+    def _info(self, eqn: JaxprEqn, path: str, block: Optional[list[int]] = None) -> RowInfo:
         ran_in = _ran_in(eqn)
+        if block:  # a block-scaled product: the formats its operands were quantized to
+            ran_in = tuple(dict.fromkeys(self.registry.cast_dtypes[n] for n in block))
         shapes = ", ".join("x".join(map(str, getattr(v.aval, "shape", ()))) or "scalar"
                            for v in eqn.invars if _floating_aval(v))
         fp8 = eqn.primitive.name in MATMUL_PRIMITIVES and any(_is_float8(d) for d in ran_in)
@@ -481,16 +534,17 @@ class Observer:
                        fp8, gradient)
 
     def _link_fp8(self, eqn: JaxprEqn, invals: Sequence[Any], outs: Sequence[Any],
-                  number: int, info: RowInfo) -> None:
+                  number: int, info: RowInfo, block: Optional[list[int]] = None) -> None:
         """Remembers the casts to float8 and which product each feeds: a product's
         saturated and flushed operand values are its operand casts' overflows and
         underflows."""
         if eqn.primitive.name == "convert_element_type" and _is_float8(_dtype(eqn.outvars[0])):
             self._fp8_casts[id(outs[0])] = (outs[0], number)  # the value kept: its id stays
+            self.registry.cast_dtypes[number] = _dtype(eqn.outvars[0])
         elif info.fp8:
             casts = [self._fp8_casts.get(id(x)) for x in invals]
-            found = [n for x, c in zip(invals, casts) if c is not None and c[0] is x
-                     for n in (c[1],)]
+            found = block or [n for x, c in zip(invals, casts) if c is not None and c[0] is x
+                              for n in (c[1],)]
             known = self.registry.fp8_casts.setdefault(number, [])
             known.extend(n for n in found if n not in known)
 
@@ -552,6 +606,12 @@ def _dtype(v: Any) -> DType:
 def _floating_aval(v: Any) -> bool:
     dtype = getattr(v.aval, "dtype", None)
     return dtype is not None and is_floating_dtype(dtype)
+
+
+# What a block-scaled product's emulation does to an operand between its cast back from
+# float8 (float4) and the product: a scale, a layout.
+_DEQUANTIZING = frozenset({"mul", "reshape", "transpose", "slice", "squeeze", "expand_dims",
+                           "broadcast_in_dim", "pad", "copy", "copy_p"})
 
 
 def _is_float8(dtype: Any) -> bool:
