@@ -33,7 +33,8 @@ with their collectives.
 
 With ``fp8=`` (a scaling name or a `Float8Recipe`), the eligible
 ``dot_general`` and ``ragged_dot_general`` products, forward and backward, run
-on float8 operands with current scaling instead (see ``_fp8``).
+on float8 operands with current scaling instead (see ``_fp8``), or on
+block-scaled MXFP8 and NVFP4 operands (``_blocks``, ``_block_matmul``).
 
 A primitive that autocast does not know, and that has floating inputs, is
 evaluated at the dtypes it was traced with, with one `AutocastWarning` per
@@ -50,7 +51,8 @@ dtype('float32')
 Layout: ``_rules`` (classes and the ``rules=`` argument), ``_lattice`` (how
 dtypes order), ``_interpreter`` (evaluation and the handler registry),
 ``_matmul`` (the matmul class), ``_fp8`` (float8 recipes and quantization),
-``_fp8_matmul`` (the float8 matmul rule), ``_higher_order`` (one handler per
+``_fp8_matmul`` (the float8 matmul rule), ``_blocks`` and ``_block_matmul``
+(block-scaled formats, stochastic rounding, and their products), ``_higher_order`` (one handler per
 higher-order primitive), ``_modules`` (NNX state and module paths),
 ``_outputs`` (the dtypes of ``fn``'s outputs), ``_api`` (`autocast` itself).
 """

@@ -78,10 +78,14 @@ def autocast(
         Equinox modules, attribute paths from the root module
         (``Decoder/blocks/0/attn``). A scope that no operation of ``fn`` is in
         is reported with an ``UnmatchedRuleWarning``.
-      fp8: ``None`` (no float8), ``"tensorwise"``, ``"rowwise"`` or a
-        `jmp_policy.Float8Recipe`: every eligible ``dot_general`` of ``fn``,
-        forward and backward, runs on float8 operands with current scaling
-        (one scale per tensor, or per row) and float32 accumulation. Products
+      fp8: ``None`` (no float8), ``"tensorwise"``, ``"rowwise"``, ``"mxfp8"``,
+        ``"nvfp4"`` or a `jmp_policy.Float8Recipe`: every eligible
+        ``dot_general`` (and ``lax.ragged_dot``) of ``fn``, forward and
+        backward, runs on float8 operands with current scaling (one scale per
+        tensor, or per row) and float32 accumulation, or on block-scaled
+        operands (MXFP8: float8 values, one power-of-two scale per block of
+        32; NVFP4: 4-bit values, one float8 scale per block of 16), natively
+        where the backend multiplies them and emulated exactly elsewhere. Products
         in a float32 scope, in a scope the recipe excludes (by default a
         model's output layer, tied to its embedding or not) or smaller than
         its ``min_size`` stay in the compute dtype; a function with no

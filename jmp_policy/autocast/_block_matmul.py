@@ -36,7 +36,7 @@ from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, join
 _HIGHEST = lax.Precision.HIGHEST
 _BMK = (((2,), (2,)), ((0,), (0,)))  # (B, M, K) x (B, N, K) -> (B, M, N)
 
-# Salts of the random keys of the two backward products' incoming gradients.
+# Salts of the random seeds of the two backward products' incoming gradients.
 _LHS_GRADIENT, _RHS_GRADIENT = 1, 2
 
 
@@ -51,16 +51,16 @@ def _as_bmk(x: Any, contract: Sequence[int], batch: Sequence[int], pad: int) -> 
 
 
 def block_dot(a: Any, b: Any, dims: Any, scaling: str, formats: tuple[DType, DType], *,
-              native: bool, keys: tuple[Optional[jax.Array], Optional[jax.Array]] = (None, None),
+              native: bool, seeds: tuple[Optional[jax.Array], Optional[jax.Array]] = (None, None),
               ) -> jax.Array:
     """``dot_general(a, b, dims)`` in float32, both operands block-quantized along their
-    contracting axes in ``formats`` (rounded stochastically where ``keys`` has a key)."""
+    contracting axes in ``formats`` (rounded stochastically where ``seeds`` has a seed)."""
     (lc, rc), (lb, rb) = dims
     a_shape, b_shape = jnp.shape(a), jnp.shape(b)
     k = math.prod(a_shape[i] for i in lc)
     pad = -k % _blocks.BLOCK_SIZES[scaling]
-    qa = _blocks.quantize_blocks(_as_bmk(a, lc, lb, pad), scaling, formats[0], key=keys[0])
-    qb = _blocks.quantize_blocks(_as_bmk(b, rc, rb, pad), scaling, formats[1], key=keys[1])
+    qa = _blocks.quantize_blocks(_as_bmk(a, lc, lb, pad), scaling, formats[0], seed=seeds[0])
+    qb = _blocks.quantize_blocks(_as_bmk(b, rc, rb, pad), scaling, formats[1], seed=seeds[1])
     if native:
         scale = _blocks.SCALE_DTYPES[scaling]
         out = jax.nn.scaled_matmul(qa.values, qb.values, convert(qa.scales, scale),
@@ -79,8 +79,8 @@ def _tensor_scaled(out: jax.Array, scaling: str, sa: jax.Array, sb: jax.Array) -
     return lax.mul(out, lax.mul(sa, sb)) if scaling == "nvfp4" else out
 
 
-def _keys(recipe: Float8Recipe, g: Any, salt: int) -> tuple[Optional[jax.Array], None]:
-    return (_blocks.noise_key(g, salt) if recipe.stochastic_rounding else None), None
+def _seeds(recipe: Float8Recipe, g: Any, salt: int) -> tuple[Optional[jax.Array], None]:
+    return (_blocks.noise_seed(g, salt) if recipe.stochastic_rounding else None), None
 
 
 def block_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DType, DType],
@@ -107,11 +107,11 @@ def block_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DType, DTy
         a, b = res
         dims_lhs, perm_lhs = layout.lhs_gradient()
         grad_lhs = block_dot(g, b, dims_lhs, scaling, (recipe.bwd_dtype, rhs_format),
-                             native=native, keys=_keys(recipe, g, _LHS_GRADIENT))
+                             native=native, seeds=_seeds(recipe, g, _LHS_GRADIENT))
         dims_rhs, perm_rhs = layout.rhs_gradient()
         if recipe.float8_weight_gradient:
             grad_rhs = block_dot(g, a, dims_rhs, scaling, (recipe.bwd_dtype, lhs_format),
-                                 native=native, keys=_keys(recipe, g, _RHS_GRADIENT))
+                                 native=native, seeds=_seeds(recipe, g, _RHS_GRADIENT))
         else:  # as the matmul class's backward products: compute-dtype operands and result
             grad_rhs = lax.dot_general(convert(g, compute), convert(a, compute), dims_rhs,
                                        preferred_element_type=compute)
@@ -152,8 +152,8 @@ def block_ragged_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DTy
     matrices = (lax.iota(np.int32, experts), experts)  # rhs: one tensor per expert
 
     def along(x: Any, axis: int, dtype: DType, segments: Any,
-              key: Optional[jax.Array] = None) -> Any:
-        return _blocks.dequantized_along(x, axis, scaling, dtype, key=key, segments=segments)
+              seed: Optional[jax.Array] = None) -> Any:
+        return _blocks.dequantized_along(x, axis, scaling, dtype, seed=seed, segments=segments)
 
     def rows_scaled(out: jax.Array, a: Any, b: Any, rows: Any) -> jax.Array:
         """``out`` ``[m, *]`` times both operands' NVFP4 tensor scales, one per expert."""
@@ -181,17 +181,17 @@ def block_ragged_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DTy
         g = _in_groups(g, sizes)
         ids = group_ids(sizes, jnp.shape(a)[0])
         rows = (ids, experts)
-        key_lhs, _ = _keys(recipe, g, _LHS_GRADIENT)
-        qg, qb = along(g, 1, recipe.bwd_dtype, rows, key_lhs), along(b, rhs_n, rhs_format, matrices)
+        seed_lhs, _ = _seeds(recipe, g, _LHS_GRADIENT)
+        qg, qb = along(g, 1, recipe.bwd_dtype, rows, seed_lhs), along(b, rhs_n, rhs_format, matrices)
         grad_lhs = rows_scaled(lax.ragged_dot_general(qg[0], qb[0], sizes, lhs_gradient,
                                                       precision=_HIGHEST,
                                                       preferred_element_type=F32),
                                qg, qb, rows)
         if recipe.float8_weight_gradient:
-            key_rhs, _ = _keys(recipe, g, _RHS_GRADIENT)
+            seed_rhs, _ = _seeds(recipe, g, _RHS_GRADIENT)
             qa = _blocks.dequantized_in_groups(a, ids, sizes, scaling, lhs_format)
             qg = _blocks.dequantized_in_groups(g, ids, sizes, scaling, recipe.bwd_dtype,
-                                               key=key_rhs)
+                                               seed=seed_rhs)
             grad_rhs = lax.ragged_dot_general(qa[0], qg[0], sizes, _WEIGHT_GRADIENT,
                                               precision=_HIGHEST, preferred_element_type=F32)
             if scaling == "nvfp4":  # [g, k, n]: one tensor scale per expert on each side

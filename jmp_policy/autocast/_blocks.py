@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,32 +124,33 @@ def block_scale(amax: jax.Array, scaling: str, dtype: Any) -> jax.Array:
     return mx_scale(amax, dtype) if scaling == "mxfp8" else nv_scale(amax)
 
 
-def to_format(y: jax.Array, dtype: Any, key: Optional[jax.Array] = None) -> jax.Array:
+def to_format(y: jax.Array, dtype: Any, seed: Optional[jax.Array] = None) -> jax.Array:
     """Float32 ``y``, already scaled into ``dtype``'s range, clipped to it and converted:
-    rounded to nearest even, or stochastically with ``key`` (see `round_stochastically`).
+    rounded to nearest even, or stochastically with ``seed`` (see `round_stochastically`).
 
     ``float4_e2m1fn`` has neither inf nor NaN: XLA's conversion to it saturates, which
     is the clip, so the conversion itself sees (and the numerics inspector counts) the
     values beyond it."""
-    if key is not None:
-        y = round_stochastically(y, dtype, key)
+    if seed is not None:
+        y = round_stochastically(y, dtype, seed)
     elif np.dtype(dtype) != E2M1:
         y = jnp.clip(y, -_max(dtype), _max(dtype))
     return lax.convert_element_type(y, np.dtype(dtype))
 
 
-def round_stochastically(y: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
+def round_stochastically(y: jax.Array, dtype: Any, seed: jax.Array) -> jax.Array:
     """Float32 ``y`` (within ``dtype``'s finite range) rounded to one of its two neighbours
     in ``dtype``, the upper one with probability equal to the distance from the lower
-    one over the gap: unbiased, ``E[round(y)] = y``. Returned in float32, on ``dtype``'s grid.
+    one over the gap: unbiased, ``E[round(y)] = y``. Returned in float32, on ``dtype``'s
+    grid. ``seed`` (a uint32 scalar) draws the random bits (`random_bits`).
 
     The probability is compared against 24 random bits, finer than the float32
     distance (``dtype`` has fewer mantissa bits than float32 by more than
     that), so the rounding is exactly unbiased. Inf and NaN stay as they are.
 
-    >>> import jax, jax.numpy as jnp
-    >>> keys = jax.random.split(jax.random.key(0), 4000)
-    >>> draws = jax.vmap(lambda k: round_stochastically(jnp.array(4.5), jnp.float4_e2m1fn, k))(keys)
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> seeds = jnp.arange(4000, dtype=np.uint32)
+    >>> draws = jax.vmap(lambda s: round_stochastically(jnp.array(4.5), jnp.float4_e2m1fn, s))(seeds)
     >>> sorted(set(draws.tolist())), abs(float(draws.mean()) - 4.5) < 0.05   # 4 or 6
     ([4.0, 6.0], True)
     """
@@ -161,25 +164,46 @@ def round_stochastically(y: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     gap = lax.bitcast_convert_type(lax.shift_left(e + 127, _I32(23)), _F32)
     low = jnp.floor(mag / gap) * gap
     fraction = (mag - low) / gap
-    bits = lax.shift_right_logical(jax.random.bits(key, jnp.shape(y), _U32), _U32(8))
+    bits = lax.shift_right_logical(random_bits(seed, jnp.shape(y)), _U32(8))
     u = lax.mul(lax.convert_element_type(bits, _F32), np.float32(2.0 ** -24))
     rounded = jnp.minimum(low + jnp.where(u < fraction, gap, np.float32(0)), _max(dtype))
     return jnp.where(jnp.isfinite(y), jnp.copysign(rounded, y), y)
 
 
-def noise_key(x: Any, salt: int) -> jax.Array:
-    """A random key drawn from the values of ``x`` (and ``salt``, which tells apart the
+def _mix(x: jax.Array) -> jax.Array:
+    """A bijective mixing of 32 bits (the "lowbias32" integer hash): nearby inputs give
+    unrelated outputs."""
+    x = x ^ lax.shift_right_logical(x, _U32(16))
+    x = x * _U32(0x7FEB352D)
+    x = x ^ lax.shift_right_logical(x, _U32(15))
+    x = x * _U32(0x846CA68B)
+    return x ^ lax.shift_right_logical(x, _U32(16))
+
+
+def random_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform uint32 bits of ``shape``, a hash of each element's index and ``seed``.
+
+    Not a cryptographic generator (``jax.random``'s threefry compiles to many
+    times the operations): stochastic rounding only needs bits that do not
+    depend on the values rounded, and differ from draw to draw.
+    """
+    index = jnp.reshape(lax.iota(_U32, max(1, math.prod(shape))), shape)
+    return _mix(_mix(index ^ _mix(lax.convert_element_type(seed, _U32))) + _U32(0x9E3779B9))
+
+
+def noise_seed(x: Any, salt: int) -> jax.Array:
+    """A uint32 seed drawn from the values of ``x`` (and ``salt``, which tells apart the
     operands quantized from the same ``x``): no state to carry, and draws that change
     as the values do from step to step, reproducibly."""
     bits = lax.bitcast_convert_type(lax.convert_element_type(x, _F32), _U32)
-    digest = jnp.sum(bits * _U32(0x9E3779B1), dtype=_U32)  # wraps: a hash, not a sum
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(0x5EED), salt), digest)
+    digest = jnp.sum(_mix(bits), dtype=_U32)  # wraps: a hash, not a sum
+    return _mix(digest ^ _mix(jnp.asarray(salt, _U32)))
 
 
-def quantize_blocks(x: Any, scaling: str, dtype: Any, *, key: Optional[jax.Array] = None,
+def quantize_blocks(x: Any, scaling: str, dtype: Any, *, seed: Optional[jax.Array] = None,
                     tensor_scale: Optional[jax.Array] = None) -> Blocks:
     """``x`` quantized in blocks of ``BLOCK_SIZES[scaling]`` along its last axis (a multiple
-    of that size), values in ``dtype``, rounded stochastically if ``key`` is given.
+    of that size), values in ``dtype``, rounded stochastically if a ``seed`` is given.
 
     The operations and their order are those of ``jax.nn.scaled_dot_general``'s
     quantization, so the values and scales are the same bit for bit (except in
@@ -209,7 +233,7 @@ def quantize_blocks(x: Any, scaling: str, dtype: Any, *, key: Optional[jax.Array
         tensor_scale = jnp.ones((), _F32)
     blocks = jnp.reshape(x, (*jnp.shape(x)[:-1], jnp.shape(x)[-1] // block, block))
     scale = block_scale(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), scaling, dtype)
-    q = to_format(lax.div(blocks, _nonzero(scale)), dtype, key)
+    q = to_format(lax.div(blocks, _nonzero(scale)), dtype, seed)
     return Blocks(jnp.reshape(q, jnp.shape(x)), scale[..., 0], tensor_scale)
 
 
@@ -241,7 +265,7 @@ def _nonzero(scale: jax.Array) -> jax.Array:
 
 
 def dequantized_along(x: Any, axis: int, scaling: str, dtype: Any, *,
-                      key: Optional[jax.Array] = None,
+                      seed: Optional[jax.Array] = None,
                       segments: Optional[Segments] = None) -> tuple[jax.Array, jax.Array]:
     """``x`` block-quantized along ``axis`` (padded with zeros to whole blocks) and
     dequantized, without its tensor scale: returns (float32 values of ``x``'s shape,
@@ -255,7 +279,7 @@ def dequantized_along(x: Any, axis: int, scaling: str, dtype: Any, *,
     x = jnp.moveaxis(x, axis, -1)
     size, block = jnp.shape(x)[-1], BLOCK_SIZES[scaling]
     padded = _pad_last(x, -size % block)
-    q = quantize_blocks(padded, scaling, dtype, key=key, tensor_scale=tensor_scale)
+    q = quantize_blocks(padded, scaling, dtype, seed=seed, tensor_scale=tensor_scale)
     scale = per_segment if tensor_scale is not None else q.tensor_scale
     return jnp.moveaxis(q.dequantized()[..., :size], -1, axis), scale
 
@@ -268,7 +292,7 @@ def _pad_last(x: Any, pad: int) -> Any:
 
 
 def dequantized_in_groups(x: Any, ids: jax.Array, sizes: jax.Array, scaling: str, dtype: Any,
-                          *, key: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+                          *, seed: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
     """``x`` ``[m, c]`` (rows sorted by group, group ``ids``, group ``sizes``) quantized in
     blocks of rows along axis 0, the blocks of each group starting at its first row so that
     no block mixes two groups' rows, and dequantized: returns (float32 ``[m, c]``, tensor
@@ -292,5 +316,5 @@ def dequantized_in_groups(x: Any, ids: jax.Array, sizes: jax.Array, scaling: str
     amax = jnp.maximum(jax.ops.segment_max(jnp.abs(x), blocks, count, indices_are_sorted=True), 0)
     scale = block_scale(amax, scaling, dtype)
     rows = jnp.take(scale, blocks, axis=0, mode="fill", fill_value=1)
-    q = to_format(lax.div(x, _nonzero(rows)), dtype, key)
+    q = to_format(lax.div(x, _nonzero(rows)), dtype, seed)
     return lax.mul(lax.convert_element_type(q, _F32), rows), tensor_scale

@@ -466,7 +466,7 @@ def _floor_power_of_two(x: jax.Array) -> jax.Array:
 
 def quantize(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int], *,
              power_of_two: bool = False,
-             key: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+             seed: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
     """``x`` in the float8 ``dtype`` with current scaling: returns ``(q, scale)``.
 
     ``q * scale`` approximates ``x``. ``scale`` is float32, of ``x``'s shape
@@ -477,7 +477,7 @@ def quantize(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int], 
     power of two at or below that), so nothing saturates and small values
     flush to zero only when they are that far below the maximum. A row
     (tensor) holding inf or NaN gets an inf or NaN scale and NaN values, so
-    every product it enters is NaN, never finite. With a random ``key``, values
+    every product it enters is NaN, never finite. With a random ``seed`` (a uint32), values
     are rounded stochastically (``_blocks.round_stochastically``), else to nearest.
 
     >>> import jax.numpy as jnp
@@ -487,8 +487,8 @@ def quantize(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int], 
     """
     inv = inverse_scale(x, dtype, scaling, contracting_axes, power_of_two)
     scaled = lax.mul(lax.convert_element_type(x, _F32), inv)
-    if key is not None:
-        scaled = _blocks.round_stochastically(scaled, dtype, key)
+    if seed is not None:
+        scaled = _blocks.round_stochastically(scaled, dtype, seed)
     # No clamp needed: |x| * inv <= max * (1 + 2^-24)^2, which rounds to the format's max.
     q = lax.convert_element_type(scaled, np.dtype(dtype))
     return q, lax.div(np.float32(1), inv)
@@ -505,7 +505,7 @@ def group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
 
 def quantize_groups(x: Any, dtype: Any, ids: jax.Array, num_groups: int, *,
                     power_of_two: bool = False,
-                    key: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+                    seed: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
     """``x`` (rows sorted by group, group ``ids``) in the float8 ``dtype``, one scale per
     group and column: returns ``(q, scale)``, ``scale`` of shape ``(num_groups, *x.shape[1:])``.
 
@@ -528,8 +528,8 @@ def quantize_groups(x: Any, dtype: Any, ids: jax.Array, num_groups: int, *,
     inv = _factor(amax, dtype, power_of_two)
     rows = jnp.take(inv, ids, axis=0, mode="fill", fill_value=0)
     scaled = lax.mul(lax.convert_element_type(x, _F32), rows)
-    if key is not None:  # rounded stochastically, as in `quantize`
-        scaled = _blocks.round_stochastically(scaled, dtype, key)
+    if seed is not None:  # rounded stochastically, as in `quantize`
+        scaled = _blocks.round_stochastically(scaled, dtype, seed)
     q = lax.convert_element_type(scaled, np.dtype(dtype))
     return q, lax.div(np.float32(1), inv)
 

@@ -78,10 +78,10 @@ def float8_matmul(recipe: Float8Recipe) -> MatmulRule:
     return rule
 
 
-def _gradient_key(recipe: Float8Recipe, g: Any, salt: int) -> Any:
-    """The random key rounding the incoming gradient ``g`` stochastically, if the recipe
+def _gradient_seed(recipe: Float8Recipe, g: Any, salt: int) -> Any:
+    """The random seed rounding the incoming gradient ``g`` stochastically, if the recipe
     does; ``salt`` tells apart the two backward products' quantizations of ``g``."""
-    return _blocks.noise_key(g, salt) if recipe.stochastic_rounding else None
+    return _blocks.noise_seed(g, salt) if recipe.stochastic_rounding else None
 
 
 # --- Where each operand axis goes ------------------------------------------------------
@@ -211,9 +211,9 @@ def float8_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DType, DT
     lhs_format, rhs_format = formats
     tensorwise = recipe.scaling == "tensorwise"
 
-    def q(x: Any, dtype: DType, contract: Sequence[int], key: Any = None) -> Quantized:
+    def q(x: Any, dtype: DType, contract: Sequence[int], seed: Any = None) -> Quantized:
         return quantize(x, dtype, recipe.scaling, contract,
-                        power_of_two=recipe.power_of_two_scales, key=key)
+                        power_of_two=recipe.power_of_two_scales, seed=seed)
 
     def forward(a: Any, b: Any) -> tuple[Any, Quantized, Quantized]:
         qa, qb = q(a, lhs_format, layout.lhs_contract), q(b, rhs_format, layout.rhs_contract)
@@ -236,13 +236,13 @@ def float8_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DType, DT
 
     def product_bwd(res: tuple[Residual, Quantized], g: Any) -> tuple[Any, Any]:
         a_res, b_res = res
-        g_lhs = q(g, recipe.bwd_dtype, layout.out_rhs_free, _gradient_key(recipe, g, 1))
+        g_lhs = q(g, recipe.bwd_dtype, layout.out_rhs_free, _gradient_seed(recipe, g, 1))
         dims, perm = layout.lhs_gradient()
         grad_lhs = lax.transpose(float8_dot(g_lhs, b_res, dims), perm)
         dims, perm = layout.rhs_gradient()
         if isinstance(a_res, tuple):
             g_rhs = g_lhs if tensorwise else q(g, recipe.bwd_dtype, layout.out_lhs_free,
-                                               _gradient_key(recipe, g, 2))
+                                               _gradient_seed(recipe, g, 2))
             grad_rhs = float8_dot(g_rhs, a_res, dims)
         else:
             # As the matmul class's backward products: compute-dtype operands and result.
@@ -337,14 +337,14 @@ def float8_ragged_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DT
     lhs_format, rhs_format = formats
     tensorwise = recipe.scaling == "tensorwise"
 
-    def q(x: Any, dtype: DType, contract: int, key: Any = None) -> Quantized:
+    def q(x: Any, dtype: DType, contract: int, seed: Any = None) -> Quantized:
         return quantize(x, dtype, recipe.scaling, (contract,),
-                        power_of_two=recipe.power_of_two_scales, key=key)
+                        power_of_two=recipe.power_of_two_scales, seed=seed)
 
-    def q_groups(x: Any, dtype: DType, sizes: jax.Array, key: Any = None) -> Quantized:
+    def q_groups(x: Any, dtype: DType, sizes: jax.Array, seed: Any = None) -> Quantized:
         ids = group_ids(sizes, jnp.shape(x)[0])
         return quantize_groups(x, dtype, ids, jnp.shape(sizes)[0],
-                               power_of_two=recipe.power_of_two_scales, key=key)
+                               power_of_two=recipe.power_of_two_scales, seed=seed)
 
     def forward(a: Any, b: Any, sizes: Any) -> tuple[Any, Any, Quantized, Quantized]:
         a = _in_groups(a, sizes)
@@ -370,11 +370,11 @@ def float8_ragged_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DT
     def product_bwd(res: tuple[Residual, Quantized, Any], g: Any) -> tuple[Any, Any, None]:
         a_res, b_res, sizes = res
         g = _in_groups(g, sizes)
-        g_rows = q(g, recipe.bwd_dtype, 1, _gradient_key(recipe, g, 1))
+        g_rows = q(g, recipe.bwd_dtype, 1, _gradient_seed(recipe, g, 1))
         grad_lhs = float8_ragged_dot(g_rows, b_res, sizes, lhs_gradient)
         if isinstance(a_res, tuple):
             g_groups = g_rows if tensorwise else q_groups(g, recipe.bwd_dtype, sizes,
-                                                          _gradient_key(recipe, g, 2))
+                                                          _gradient_seed(recipe, g, 2))
             grad_rhs = _rescaled_groups(
                 lax.ragged_dot_general(a_res[0], g_groups[0], sizes, _WEIGHT_GRADIENT,
                                        preferred_element_type=F32),
