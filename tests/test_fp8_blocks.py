@@ -415,3 +415,24 @@ def test_inspector_reports_block_products_with_saturated_and_flushed_values(tmp_
     assert "float4_e2m1fn" in _numerics_plot.FORMATS  # drawn next to the float8 formats
     report.plot(str(tmp_path / "ranges.png"))
     assert (tmp_path / "ranges.png").stat().st_size > 0
+
+
+# --- the example's mixture of experts ------------------------------------------------------
+
+def test_example_lm_mixture_of_experts_runs_its_experts_in_float8(monkeypatch):
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location("transformer_lm_moe", "examples/transformer_lm.py")
+    lm = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, lm)
+    spec.loader.exec_module(lm)
+    config = lm.Config(d_model=32, heads=1, layers=1, seq_len=16, batch_size=2, experts=4)
+    tokens = jax.ShapeDtypeStruct((2, 17), jnp.int32)
+    init, train_step, _ = lm.make_train_step("mixed_bfloat16", config, fp8="rowwise")
+    params, opt_state = jax.eval_shape(init, 0)
+    assert params["Block_0"]["MixtureOfExperts_0"]["w1"].shape == (4, 32, 128)
+    ragged = [e for e in eqns(jax.make_jaxpr(train_step)(params, opt_state, tokens))
+              if e.primitive.name == "ragged_dot_general"]
+    # Two expert products, forward and both gradients: six, all on float8 operands.
+    assert len(ragged) == 6
+    assert all({np.dtype(v.aval.dtype) for v in e.invars[:2]} <= {E4M3, E5M2} for e in ragged)
