@@ -96,6 +96,7 @@ TRAINING_RUNS: dict[str, Any] = {
     "mxfp8": "mxfp8",
     "nvfp4": "nvfp4",
     "nvfp4, round to nearest": R("nvfp4", stochastic_rounding=False),
+    "nvfp4, batched=False": R("nvfp4", batched=False),
 }
 
 

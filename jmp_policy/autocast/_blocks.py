@@ -67,8 +67,8 @@ all-zero tensor gets a finite, nonzero scale (its values stay zero)."""
 
 class Blocks(NamedTuple):
     """A block-quantized array: ``values`` (the data format) times ``scales`` (float32,
-    one per block along the last axis) times ``tensor_scale`` (float32, a scalar;
-    1 for MXFP8) approximates the array."""
+    one per block along the last axis) times ``tensor_scale`` (float32: a scalar, or one
+    per expert's rows broadcast against the values; 1 for MXFP8) approximates the array."""
 
     values: jax.Array
     scales: jax.Array
