@@ -19,7 +19,7 @@ and quantizes the new state again.
   binades of range. 4 bits: signed powers of two (0, ±2**-6 ... ±1 of the
   block's scale) for signed states such as momentum; for states that are
   never negative (``nonnegative`` paths: Adam's second moment ``nu``...),
-  the 16 powers of two 2**-15 ... 1 of the scale, without zero.
+  16 values half a binade apart, 2**-7.5 ... 1 of the scale, without zero.
 * **Stochastic rounding.** Each value rounds to one of its two neighbouring
   codes with probabilities that make the stored mean the float32 value: a
   slowly moving average (Adam's second moment) still moves.
@@ -29,7 +29,7 @@ and quantizes the new state again.
   zero turns Adam's step ``mu / (sqrt(nu) + eps)`` into a huge one (the
   "zero-point problem" of low-bit second moments).
 
-A block is ``block_size`` values (256 for 8 bits, 128 for 4), or, where the
+A block is ``block_size`` values (256 for 8 bits, 32 for 4), or, where the
 last dimension is not a multiple of it, their greatest common divisor if that
 is at least 32. Small arrays (fewer than ``min_size`` values), arrays without
 such a block, scalars (step counts, injected hyperparameters) and leaves whose
@@ -65,7 +65,7 @@ from jmp_policy.low_precision import (
     _refuse_inner_loss_scaling, _split_key)
 
 BITS = (8, 4)
-DEFAULT_BLOCK_SIZE = {8: 256, 4: 128}
+DEFAULT_BLOCK_SIZE = {8: 256, 4: 32}
 # optax's states that are never negative: second moments (adam, adamw, lamb,
 # rmsprop, adabelief, amsgrad's running maximum), adagrad's sums of squares,
 # adafactor's factored moments.
@@ -125,10 +125,11 @@ def quantize_state(
 
     Args:
       inner: the optimizer whose state to quantize (any optax transformation).
-      bits: 8 (float8 values: about 1.004 bytes per value) or 4 (about 0.51).
+      bits: 8 (float8 values: about 1.004 bytes per value) or 4 (about 0.53).
       block_size: values per scale, along each array's last axis (at most: see
         above for last dimensions that are not multiples of it); default 256
-        for 8 bits, 128 for 4.
+        for 8 bits, 32 for 4 (whose coarser codes need the block's values
+        closer in range).
       min_size: arrays with fewer values stay in float32 (their scales would
         cost more than they save).
       keep: regular expressions; a state array whose key path
@@ -199,6 +200,9 @@ def quantize_state(
         _check_rules(inner_state, rules, block_size, min_size, "keep")
         if user_nonnegative:
             _check_rules(inner_state, positive, block_size, min_size, "nonnegative")
+        # The initial state is usually constant (zeros): behind the barrier, XLA
+        # does not fold its quantization at compile time, which takes seconds.
+        inner_state = jax.lax.optimization_barrier(inner_state)  # type: ignore[no-untyped-call]
         return QuantizedState(quantized(inner_state, None), key)
 
     def update_fn(grads: optax.Updates, state: QuantizedState,
@@ -346,20 +350,34 @@ def _signed4_values(codes: jax.Array) -> jax.Array:
     return jnp.where(codes & 8 != 0, -magnitude, magnitude)
 
 
-# nonnegative4: code ``k`` is 2**(k - 15), 15 binades below the scale; no zero.
+# nonnegative4: code ``k`` is 2**((k - 15) / 2), half a binade apart, 7.5 binades
+# below the scale; no zero. Half binades, because Adam divides by the square root
+# of the second moment: stochastic rounding keeps the moment unbiased, but not
+# its inverse square root, which is larger on average the coarser the grid.
 _N4_SMALLEST = -15
 
 
 def _nonnegative4(y: jax.Array, u: Optional[jax.Array]) -> jax.Array:
-    magnitude = jnp.clip(y, 0.0, 1.0)
-    low = _binade(magnitude, _N4_SMALLEST)  # below 2**-15: rounds up to it
-    rounded = jnp.minimum(low + jnp.where(_round_up(magnitude, low, low, u), low, 0.0), 1.0)
-    k = (jax.lax.bitcast_convert_type(rounded, jnp.int32) >> 23) - 127 - _N4_SMALLEST
-    return k.astype(jnp.uint8)
+    magnitude = jnp.clip(y, 2.0 ** (_N4_SMALLEST / 2), 1.0)  # below: rounds up to it
+    k = jnp.clip(jnp.floor(2 * jnp.log2(magnitude)).astype(jnp.int32) - _N4_SMALLEST, 0, 15)
+    # log2 may be an ulp off at a grid point: the grid itself decides.
+    k = jnp.clip(k - (magnitude < _nonnegative4_grid(k)) + (
+        magnitude >= _nonnegative4_grid(jnp.minimum(k + 1, 15))) * (k < 15), 0, 15)
+    low, high = _nonnegative4_grid(k), _nonnegative4_grid(jnp.minimum(k + 1, 15))
+    up = _round_up(magnitude, low, jnp.where(high > low, high - low, 1.0), u) & (high > low)
+    return (k + up).astype(jnp.uint8)
+
+
+def _nonnegative4_grid(k: jax.Array) -> jax.Array:
+    """``2 ** ((k - 15) / 2)``: a power of two, times the float32 nearest sqrt(2) for
+    even ``k``, so that every backend computes the same values."""
+    half = k.astype(jnp.int32) + _N4_SMALLEST
+    whole = _power_of_two((half >> 1) + 127)  # floor((k - 15) / 2), also for negatives
+    return jnp.where(half & 1, whole * np.float32(math.sqrt(2)), whole)
 
 
 def _nonnegative4_values(codes: jax.Array) -> jax.Array:
-    return _power_of_two(codes.astype(jnp.int32) + _N4_SMALLEST + 127)
+    return _nonnegative4_grid(codes)
 
 
 def _pack(codes: jax.Array) -> jax.Array:

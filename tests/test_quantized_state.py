@@ -107,8 +107,10 @@ def test_4_bit_codes_are_the_documented_grids_within_one_step(seed):
         np.testing.assert_array_equal(np.abs(got), nearer)
     assert (got.reshape(4, 256)[0, :8] == 0).all()
 
-    # A second moment (optax's ``nu``): the non-negative grid 2**-15 ... 1, no zero.
+    # A second moment (optax's ``nu``): the non-negative grid 2**-7.5 ... 1, half a binade
+    # apart, no zero.
     tx = quantize_state(optax.scale_by_rms(decay=0.0, eps=0.0), bits=4, min_size=0,
+                        block_size=128,
                         rounding="nearest" if seed is None else "stochastic")
     state = tx.init(jnp.zeros_like(x))
     _, state = tx.update(jnp.asarray(x), state)
@@ -116,9 +118,12 @@ def test_4_bit_codes_are_the_documented_grids_within_one_step(seed):
     assert nu.code == "nonnegative4"
     scale = _power_of_two_above((x ** 2).reshape(4, 2, 128).max(-1, keepdims=True), 0)
     got = np.asarray(dequantize(nu)).reshape(4, 2, 128) / scale
-    assert np.isin(got, 2.0 ** np.arange(-15, 1)).all()      # zeros of x stored as 2**-15
+    half = np.arange(-15, 1)   # odd powers of sqrt(2): float32's sqrt(2) times a power of 2
+    grid = np.float32(2.0) ** (half // 2) * np.where(half % 2, np.float32(np.sqrt(2)), 1)
+    assert np.isin(got.astype(np.float32), grid).all()   # zeros of x stored as 2**-7.5
     y = (x ** 2).reshape(4, 2, 128) / scale
-    assert ((got <= 2 * np.maximum(y, 2.0 ** -15)) & (got >= np.minimum(y, 1) / 2)).all()
+    step = np.sqrt(2) * (1 + 1e-6)
+    assert ((got <= step * np.maximum(y, 2.0 ** -7.5)) & (got >= np.minimum(y, 1) / step)).all()
 
 
 def test_4_bit_stochastic_rounding_is_unbiased():
@@ -196,7 +201,7 @@ def test_state_bytes_per_value():
     assert state.inner_state[0].mu["small"].dtype == jnp.float32
     four = quantize_state(optax.adam(1e-3), bits=4).init(params).inner_state
     assert sum(x.nbytes for x in jax.tree.leaves(four)) == pytest.approx(
-        2 * (2 ** 20 * (0.5 + 1 / 128) + 400) + 4, rel=1e-4)
+        2 * (2 ** 20 * (0.5 + 1 / 32) + 400) + 4, rel=1e-4)
 
 
 def test_a_skipped_step_leaves_the_quantized_state_unchanged_bit_for_bit():
