@@ -390,3 +390,25 @@ def test_any_optimizer_steps_like_its_float32_self(make, bits):
     # 4 bits: powers of two apart, steps within 5-21% here.
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert err < (0.1 if bits == 8 else 0.3), err
+
+
+@pytest.mark.parametrize("bits,rounding", [(8, "stochastic"), (8, "nearest"), (4, "stochastic")])
+def test_the_step_keeps_no_float32_copy_of_the_state(bits, rounding):
+    tx = quantize_state(optax.adam(1e-3), bits=bits, rounding=rounding)
+    params = {f"w{i}": jnp.zeros((256, 1024)) for i in range(4)}
+    state = tx.init(params)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def temp(donate):
+        compiled = jax.jit(step, donate_argnums=donate).lower(params, state, params).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    leaf = 4 * 256 * 1024          # one float32 copy of the largest leaf
+    quantized = sum(x.nbytes for x in jax.tree.leaves(state.inner_state))
+    assert temp(()) < 0.1 * leaf
+    # Donated, XLA:CPU copies the old quantized state first (apply_updates reads it
+    # after the new state may be written in place), but still stores no float32 state.
+    assert temp((0, 1)) <= quantized + 0.1 * leaf
