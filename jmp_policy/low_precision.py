@@ -496,7 +496,7 @@ _NOT_LANDED = np.float32(1 + 2**-20)
 
 def _samples(params: Any, handled: Any) -> jax.Array:
     """`_SAMPLES` elements of each handled leaf flattened, evenly strided (all of a smaller
-    one), in float32, in one array: XLA reads them all in one kernel.
+    one), in float32, in one array.
 
     Replicated over an explicit mesh: XLA gathers the few elements, whatever
     the sharding (flattening a sharded array is not expressible there).
