@@ -104,7 +104,10 @@ class NumericsRow:
         block scale, rounded to a ``float8_e4m3fn`` value, takes to 7 or
         beyond, where rounding would no longer give e2m1's largest value, 6
         (blocks whose scales fall among e4m3's subnormals); MXFP8's scales
-        round up, and saturate nothing.
+        round up, and saturate nothing. The ranges of its operands' scales
+        are rows of their own, scopes ``.../block_scales`` and (NVFP4's
+        per-tensor scales) ``.../tensor_scales``: ``max_abs`` the largest,
+        ``float32_min`` the smallest nonzero.
       fp8_flushed: for a float8 product, how many nonzero operand values
         become zero in float8 (those casts' underflows); ``None`` for other
         operations.

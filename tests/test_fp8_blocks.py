@@ -404,6 +404,13 @@ def test_inspector_reports_block_products_with_saturated_and_flushed_values(tmp_
     report = jmp_policy.inspect_numerics(jnp.matmul, "float32", fp8="nvfp4")(x, w)
     (row,) = [r for r in report.rows if r.primitive == "dot_general"]
     assert (row.dtype, row.fp8_saturated, row.fp8_flushed) == ("float4_e2m1fn", 1, 1)
+    # The scales' ranges: rows of their own. Per tensor: x's 2688 / 2688 and w's 1 / 2688;
+    # x's block scales run from 448 down to the subnormal 2**-9 (its zero blocks' 0 aside),
+    # w's are all 448.
+    tensor = sorted(r.max_abs for r in report.rows if r.scope == "tensor_scales")
+    assert tensor == [float(np.float32(1) / np.float32(2688)), 1.0]
+    blocks = sorted((r.max_abs, r.float32_min) for r in report.rows if r.scope == "block_scales")
+    assert blocks == [(448.0, 2.0 ** -9), (448.0, 448.0)]
     # MXFP8, x: 1e-4 is below 2**-10 (half e4m3's smallest subnormal) in a block whose
     # maximum is 448: flushed. Its scales round up: nothing saturates.
     x = jnp.zeros((16, 32)).at[0, 0].set(448.0).at[0, 1].set(1e-4).at[1, 0].set(3.0)

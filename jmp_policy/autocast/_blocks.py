@@ -65,6 +65,19 @@ _TINY_AMAX = np.float32(2.0 ** -100)
 all-zero tensor gets a finite, nonzero scale (its values stay zero)."""
 
 
+BLOCK_SCALES, TENSOR_SCALES = "block_scales", "tensor_scales"
+"""The name scopes that the block and per-tensor scales are made under, so that the
+numerics inspector reports their ranges (rows ``.../block_scales`` and
+``.../tensor_scales`` next to the products)."""
+
+
+def _marked(scale: jax.Array, scope: str) -> jax.Array:
+    """``scale``, as the result of a multiplication by 1 under ``scope``: the one equation
+    of that scope, which the numerics inspector reports (XLA removes it)."""
+    with jax.named_scope(scope):
+        return lax.mul(scale, np.float32(1))
+
+
 class Blocks(NamedTuple):
     """A block-quantized array: ``values`` (the data format) times ``scales`` (float32,
     one per block along the last axis) times ``tensor_scale`` (float32: a scalar, or one
@@ -227,12 +240,14 @@ def quantize_blocks(x: Any, scaling: str, dtype: Any, *, seed: Optional[jax.Arra
         raise ValueError(f"{scaling} quantizes blocks of {block} along the last axis, "
                          f"got one of size {jnp.shape(x)[-1]}.")
     if scaling == "nvfp4":
-        tensor_scale = nv_tensor_scale(x) if tensor_scale is None else tensor_scale
+        if tensor_scale is None:
+            tensor_scale = _marked(nv_tensor_scale(x), TENSOR_SCALES)
         x = lax.div(x, tensor_scale)
     else:
         tensor_scale = jnp.ones((), _F32)
     blocks = jnp.reshape(x, (*jnp.shape(x)[:-1], jnp.shape(x)[-1] // block, block))
-    scale = block_scale(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), scaling, dtype)
+    scale = _marked(block_scale(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), scaling,
+                                dtype), BLOCK_SCALES)
     q = to_format(lax.div(blocks, _nonzero(scale)), dtype, seed)
     return Blocks(jnp.reshape(q, jnp.shape(x)), scale[..., 0], tensor_scale)
 
@@ -274,7 +289,7 @@ def dequantized_along(x: Any, axis: int, scaling: str, dtype: Any, *,
     segment, returned ``[count]``."""
     tensor_scale = None
     if scaling == "nvfp4" and segments is not None:
-        per_segment = segment_tensor_scales(x, segments)
+        per_segment = _marked(segment_tensor_scales(x, segments), TENSOR_SCALES)
         tensor_scale = jnp.moveaxis(per_row(per_segment, segments, jnp.ndim(x)), axis, -1)
     x = jnp.moveaxis(x, axis, -1)
     size, block = jnp.shape(x)[-1], BLOCK_SIZES[scaling]
@@ -302,7 +317,7 @@ def dequantized_in_groups(x: Any, ids: jax.Array, sizes: jax.Array, scaling: str
     m, block, groups = jnp.shape(x)[0], BLOCK_SIZES[scaling], jnp.shape(sizes)[0]
     tensor_scale = jnp.ones((), _F32)
     if scaling == "nvfp4":  # one per group (expert), as in `dequantized_along`
-        tensor_scale = segment_tensor_scales(x, (ids, groups))
+        tensor_scale = _marked(segment_tensor_scales(x, (ids, groups)), TENSOR_SCALES)
         x = lax.div(x, per_row(tensor_scale, (ids, groups), 2))
     starts = jnp.cumsum(sizes) - sizes
     counts = (sizes + block - 1) // block
@@ -314,7 +329,7 @@ def dequantized_in_groups(x: Any, ids: jax.Array, sizes: jax.Array, scaling: str
     count = m // block + groups  # sum of ceil(size / block) over the groups is below it
     # Empty blocks get -inf from the scatter-max: 0 (a finite scale); NaN stays NaN.
     amax = jnp.maximum(jax.ops.segment_max(jnp.abs(x), blocks, count, indices_are_sorted=True), 0)
-    scale = block_scale(amax, scaling, dtype)
+    scale = _marked(block_scale(amax, scaling, dtype), BLOCK_SCALES)
     rows = jnp.take(scale, blocks, axis=0, mode="fill", fill_value=1)
     q = to_format(lax.div(x, _nonzero(rows)), dtype, seed)
     return lax.mul(lax.convert_element_type(q, _F32), rows), tensor_scale

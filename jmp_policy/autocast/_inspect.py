@@ -55,6 +55,7 @@ from jmp_policy._dtypes import is_floating_dtype
 from jmp_policy.autocast._bits import (
     I32, INF_BITS, below, finite_mask, magnitude_bits, positive, where_bits)
 from jmp_policy.autocast._interpreter import Context, bind, eval_jaxpr, higher_order_names
+from jmp_policy.autocast import _blocks
 from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, is_floating, join, represents
 from jmp_policy.autocast._matmul import matmul
 from jmp_policy.autocast._rules import (
@@ -449,11 +450,14 @@ class Observer:
         if id(eqn) in self.dead or eqn.primitive.name in self._higher_order:
             return  # a higher-order primitive's equations were observed one by one
         block = self._track_dequantized(eqn, invals, outs)
+        scales = eqn.primitive.name == "mul" and _SCALE_SCOPES.intersection(
+            scope_names(ctx.scope)[-1:])
         if _sub_jaxprs(eqn) and eqn.primitive.name not in _TRACED:  # a scatter's combiner
             self._warn_unvisited(eqn.primitive.name)                  # is not a body
             return
         floats = [i for i, v in enumerate(eqn.outvars) if _floating_aval(v)]
-        if not floats or not (_runs_narrow(eqn) or block) or _preserves_values(eqn) or not any(
+        if not floats or not (_runs_narrow(eqn) or block or scales) or _preserves_values(eqn) \
+                or not any(
                 _floating_aval(v) for v in eqn.invars):
             return  # it loses nothing against float32 (or makes its values: empty, iota)
         # Results in float32 from narrow operands (a product accumulated in float32) are
@@ -607,6 +611,10 @@ def _floating_aval(v: Any) -> bool:
     dtype = getattr(v.aval, "dtype", None)
     return dtype is not None and is_floating_dtype(dtype)
 
+
+# The block-scaled quantization makes its scales under these scopes (``_blocks._marked``):
+# the float32 values there have rows, whose ranges are the scales'.
+_SCALE_SCOPES = frozenset({_blocks.BLOCK_SCALES, _blocks.TENSOR_SCALES})
 
 # What a block-scaled product's emulation does to an operand between its cast back from
 # float8 (float4) and the product: a scale, a layout.
