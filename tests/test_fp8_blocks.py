@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jaxpr_walk import eqns
 
 import jmp_policy
-from jaxpr_walk import eqns
 from jmp_policy import Float8Recipe, autocast
 from jmp_policy.autocast import _blocks, _fp8
 

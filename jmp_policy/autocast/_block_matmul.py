@@ -47,7 +47,7 @@ def _as_bmk(x: Any, contract: Sequence[int], batch: Sequence[int], pad: int) -> 
     free = [i for i in range(len(shape)) if i not in contract and i not in batch]
     x = lax.transpose(x, (*batch, *free, *contract))
     x = lax.reshape(x, tuple(math.prod(shape[i] for i in axes) for axes in (batch, free, contract)))
-    return _blocks._pad_last(x, pad)
+    return _blocks.pad_last(x, pad)
 
 
 def block_dot(a: Any, b: Any, dims: Any, scaling: str, formats: tuple[DType, DType], *,
@@ -139,7 +139,11 @@ def block_ragged_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DTy
     (``_blocks.dequantized_in_groups``). NVFP4's per-tensor scale is one per
     expert: each expert's rows, and each expert's matrix, are a tensor of their own.
     """
-    from jmp_policy.autocast._fp8_matmul import _WEIGHT_GRADIENT, _in_groups, _ragged_dims
+    from jmp_policy.autocast._fp8_matmul import (
+        _WEIGHT_GRADIENT,
+        _in_groups,
+        _ragged_dims,
+    )
 
     rhs_k = eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers[0][1][0]
     rhs_n = 3 - rhs_k  # rhs is [g, k, n] or [g, n, k]

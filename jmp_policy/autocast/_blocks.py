@@ -28,9 +28,8 @@ significant bits) and multiplied in float32.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
-
 import math
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -293,13 +292,14 @@ def dequantized_along(x: Any, axis: int, scaling: str, dtype: Any, *,
         tensor_scale = jnp.moveaxis(per_row(per_segment, segments, jnp.ndim(x)), axis, -1)
     x = jnp.moveaxis(x, axis, -1)
     size, block = jnp.shape(x)[-1], BLOCK_SIZES[scaling]
-    padded = _pad_last(x, -size % block)
+    padded = pad_last(x, -size % block)
     q = quantize_blocks(padded, scaling, dtype, seed=seed, tensor_scale=tensor_scale)
     scale = per_segment if tensor_scale is not None else q.tensor_scale
     return jnp.moveaxis(q.dequantized()[..., :size], -1, axis), scale
 
 
-def _pad_last(x: Any, pad: int) -> Any:
+def pad_last(x: Any, pad: int) -> Any:
+    """``x`` with ``pad`` zeros after its last axis's values (which add nothing to a product)."""
     if not pad:
         return x
     config = [(0, 0, 0)] * (jnp.ndim(x) - 1) + [(0, pad, 0)]
