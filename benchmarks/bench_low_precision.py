@@ -71,6 +71,7 @@ COST_COLUMNS = [
     harness.Column("bytes_accessed", "bytes accessed", "bytes"),
     harness.Column("wall_s", "wall time", "s"),
     harness.Column("compile_s", "compile time", "s"),
+    harness.Column("hlo_instructions", "HLO instructions", ""),
     harness.Column("temp_bytes", "temp memory", "bytes", ratio=False),
 ]
 MEMORY_COLUMNS = [
