@@ -175,25 +175,17 @@ def quantize_state(
             return NONNEGATIVE4 if any(r.search(name) for r in positive) else SIGNED4
         return jax.tree_util.tree_map_with_path(one, state)
 
-    def quantized(state: Any, step_key: Optional[jax.Array], exponents: Any = None) -> Any:
+    def quantized(state: Any, step_key: Optional[jax.Array]) -> Any:
         seeds = (_leaf_seeds(step_key, state) if step_key is not None
                  else jax.tree_util.tree_map(lambda x: None, state))
-        if exponents is None:
-            exponents = jax.tree_util.tree_map(lambda x: None, state)
 
-        def one(x: Any, code: Optional[str], leaf_seed: Any, e: Any) -> Any:
+        def one(x: Any, code: Optional[str], leaf_seed: Any) -> Any:
             if code is None:
                 return x
-            return quantize(x, _block(np.shape(x)[-1], block_size), code, leaf_seed, e)
+            return quantize(x, _block(np.shape(x)[-1], block_size), code, leaf_seed)
 
-        return jax.tree_util.tree_map(one, state, codes(state), seeds, exponents,
+        return jax.tree_util.tree_map(one, state, codes(state), seeds,
                                       is_leaf=lambda x: x is None)
-
-    def block_exponents(state: Any) -> Any:
-        def one(x: Any, code: Optional[str]) -> Any:
-            return None if code is None else _exponents(x, _block(np.shape(x)[-1], block_size),
-                                                        code)
-        return jax.tree_util.tree_map(one, state, codes(state), is_leaf=lambda x: x is None)
 
     def init_fn(params: optax.Params) -> QuantizedState:
         inner_state = inner.init(params)
@@ -213,26 +205,19 @@ def quantize_state(
             raise TypeError("quantize_state.update expected the QuantizedState made by this "
                             f"transformation's init, got {type(state).__name__}.")
 
-        def run(grads: Any, stored: Any, params: Any) -> Tuple[optax.Updates, Any]:
-            widened = jax.tree_util.tree_map(dequantize, stored, is_leaf=_is_quantized)
-            updates, new = inner.update(grads, widened, params, **extra_args)
-            return updates, new
-
-        updates, inner_state = run(grads, state.inner_state, params)
-        # The block exponents are reduced from a byte per eight values, so XLA
-        # recomputes the new state where it quantizes it rather than keeping
-        # it in float32 in between.
-        exponents = block_exponents(inner_state)
+        widened = jax.tree_util.tree_map(dequantize, state.inner_state, is_leaf=_is_quantized)
+        updates, inner_state = inner.update(grads, widened, params, **extra_args)
         if state.key is None:
-            return updates, QuantizedState(quantized(inner_state, None, exponents), None)
+            return updates, QuantizedState(quantized(inner_state, None), None)
         next_key, step_key = _split_key(state.key, impl)
-        return updates, QuantizedState(quantized(inner_state, step_key, exponents), next_key)
+        return updates, QuantizedState(quantized(inner_state, step_key), next_key)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 # --------------------------------------------------------------------------- #
-# Block scales: powers of two, stored as float32 exponents (biased by 127).
+# Block scales: powers of two, stored as their float32 exponents (uint8, biased
+# by 127).
 # --------------------------------------------------------------------------- #
 
 # Each code's scaled values stay below this power of two: float8_e4m3fn's
@@ -263,14 +248,12 @@ def _power_of_two(biased: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(biased.astype(jnp.int32) << 23, jnp.float32)
 
 
-def quantize(x: Any, block_size: int, code: str = FLOAT8, seed: Optional[jax.Array] = None,
-             exponents: Optional[jax.Array] = None) -> QuantizedArray:
+def quantize(x: Any, block_size: int, code: str = FLOAT8,
+             seed: Optional[jax.Array] = None) -> QuantizedArray:
     """``x`` as a `QuantizedArray` with blocks of ``block_size`` along its last axis,
-    rounded stochastically with the uint32 words ``seed`` (to nearest if ``None``);
-    ``exponents``, if given, are ``x``'s blocks' (computed if not)."""
+    rounded stochastically with the uint32 words ``seed`` (to nearest if ``None``)."""
     x = jnp.asarray(x, jnp.float32)
-    if exponents is None:
-        exponents = _exponents(x, block_size, code)
+    exponents = _exponents(x, block_size, code)
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
     y = blocks * _power_of_two(254 - exponents.astype(jnp.int32))[..., None]
     u = (None if seed is None

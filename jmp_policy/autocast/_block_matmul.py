@@ -30,7 +30,8 @@ from jax import lax
 from jax.extend.core import JaxprEqn
 
 from jmp_policy.autocast import _blocks
-from jmp_policy.autocast._fp8 import Float8Recipe, group_ids
+from jmp_policy.autocast._fp8 import (
+    WEIGHT_GRADIENT, Float8Recipe, group_ids, in_groups, ragged_dims)
 from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, join
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -139,17 +140,11 @@ def block_ragged_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DTy
     (``_blocks.dequantized_in_groups``). NVFP4's per-tensor scale is one per
     expert: each expert's rows, and each expert's matrix, are a tensor of their own.
     """
-    from jmp_policy.autocast._fp8_matmul import (
-        _WEIGHT_GRADIENT,
-        _in_groups,
-        _ragged_dims,
-    )
-
     rhs_k = eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers[0][1][0]
     rhs_n = 3 - rhs_k  # rhs is [g, k, n] or [g, n, k]
     acc, lhs_dtype, rhs_dtype = join(compute, F32), dtype_of(lhs), dtype_of(rhs)
     dims = eqn.params["ragged_dot_dimension_numbers"]
-    lhs_gradient = _ragged_dims((1, rhs_n), True, True)  # [m, n] x rhs -> [m, k]
+    lhs_gradient = ragged_dims((1, rhs_n), True, True)  # [m, n] x rhs -> [m, k]
     scaling, (lhs_format, rhs_format) = recipe.scaling, formats
 
     experts = jnp.shape(rhs)[0]
@@ -166,7 +161,7 @@ def block_ragged_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DTy
         return lax.mul(out, _blocks.per_row(lax.mul(a[1], b[1]), rows, out.ndim))
 
     def forward(a: Any, b: Any, sizes: Any) -> tuple[Any, Any]:
-        a = _in_groups(a, sizes)
+        a = in_groups(a, sizes)
         rows = (group_ids(sizes, jnp.shape(a)[0]), experts)
         qa, qb = along(a, 1, lhs_format, rows), along(b, rhs_k, rhs_format, matrices)
         out = lax.ragged_dot_general(qa[0], qb[0], sizes, dims, precision=_HIGHEST,
@@ -182,7 +177,7 @@ def block_ragged_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DTy
 
     def product_bwd(res: tuple[Any, Any, Any], g: Any) -> tuple[Any, Any, None]:
         a, b, sizes = res
-        g = _in_groups(g, sizes)
+        g = in_groups(g, sizes)
         ids = group_ids(sizes, jnp.shape(a)[0])
         rows = (ids, experts)
         seed_lhs, _ = _seeds(recipe, g, _LHS_GRADIENT)
@@ -196,13 +191,13 @@ def block_ragged_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DTy
             qa = _blocks.dequantized_in_groups(a, ids, sizes, scaling, lhs_format)
             qg = _blocks.dequantized_in_groups(g, ids, sizes, scaling, recipe.bwd_dtype,
                                                seed=seed_rhs)
-            grad_rhs = lax.ragged_dot_general(qa[0], qg[0], sizes, _WEIGHT_GRADIENT,
+            grad_rhs = lax.ragged_dot_general(qa[0], qg[0], sizes, WEIGHT_GRADIENT,
                                               precision=_HIGHEST, preferred_element_type=F32)
             if scaling == "nvfp4":  # [g, k, n]: one tensor scale per expert on each side
                 grad_rhs = lax.mul(grad_rhs, jnp.reshape(lax.mul(qa[1], qg[1]), (-1, 1, 1)))
         else:  # as the matmul class's backward products: compute-dtype operands and result
             grad_rhs = lax.ragged_dot_general(convert(a, compute), convert(g, compute), sizes,
-                                              _WEIGHT_GRADIENT, preferred_element_type=compute)
+                                              WEIGHT_GRADIENT, preferred_element_type=compute)
         if rhs_k == 2:
             grad_rhs = lax.transpose(grad_rhs, (0, 2, 1))
         return convert(grad_lhs, lhs_dtype), convert(grad_rhs, rhs_dtype), None

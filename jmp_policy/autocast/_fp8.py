@@ -45,6 +45,7 @@ from jax.extend.core import JaxprEqn
 from jmp_policy._dtypes import is_floating_dtype
 from jmp_policy.autocast import _blocks
 from jmp_policy.autocast._bits import INF_BITS, below, magnitude_bits, positive
+from jmp_policy.autocast._lattice import dtype_of
 from jmp_policy.autocast._rules import scope_names
 
 Scaling = Literal["tensorwise", "rowwise", "mxfp8", "nvfp4"]
@@ -501,6 +502,29 @@ def group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
     # Unrolled binary search: log2(groups) vectorized steps, no loop for XLA to run.
     return jnp.searchsorted(ends, lax.iota(ends.dtype, rows), side="right",
                             method="scan_unrolled")
+
+
+def ragged_dims(contract: tuple[int, int], lhs_ragged: bool, rhs_grouped: bool) -> Any:
+    """Dimension numbers of a ragged product contracting ``contract`` of (lhs, rhs), no batch."""
+    return lax.RaggedDotDimensionNumbers(  # type: ignore[no-untyped-call]
+        (((contract[0],), (contract[1],)), ((), ())),
+        lhs_ragged_dimensions=(0,) if lhs_ragged else (),
+        rhs_group_dimensions=(0,) if rhs_grouped else ())
+
+
+WEIGHT_GRADIENT = ragged_dims((0, 0), True, False)
+"""``[m, k] x [m, n] -> [g, k, n]``: per group, the sum over its rows (ragged contracting)."""
+
+
+def in_groups(x: Any, sizes: jax.Array) -> Any:
+    """``x`` with its rows past ``sum(sizes)`` set to zero.
+
+    Those rows take no part in a ragged product (their output and gradient
+    are zero), so they must not count in its scales either: a large or
+    non-finite value there would spoil, or make NaN, a tensorwise product.
+    """
+    rows = lax.broadcasted_iota(sizes.dtype, jnp.shape(x), 0)
+    return jnp.where(rows < jnp.sum(sizes), x, jnp.zeros((), dtype_of(x)))
 
 
 def quantize_groups(x: Any, dtype: Any, ids: jax.Array, num_groups: int, *,

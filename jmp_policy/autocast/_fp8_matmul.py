@@ -34,13 +34,16 @@ from jmp_policy.autocast import _blocks
 from jmp_policy.autocast._block_matmul import block_product, block_ragged_product
 from jmp_policy.autocast._fp8 import (
     RAGGED,
+    WEIGHT_GRADIENT,
     Float8Recipe,
     eligible,
     group_ids,
+    in_groups,
     native_block_products,
     operand_dtypes,
     quantize,
     quantize_groups,
+    ragged_dims,
 )
 from jmp_policy.autocast._interpreter import Context, MatmulRule, bind
 from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, join
@@ -258,29 +261,6 @@ def float8_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DType, DT
 
 # --- Ragged products (mixture of experts) --------------------------------------------------
 
-def _ragged_dims(contract: tuple[int, int], lhs_ragged: bool, rhs_grouped: bool) -> Any:
-    """Dimension numbers of a ragged product contracting ``contract`` of (lhs, rhs), no batch."""
-    return lax.RaggedDotDimensionNumbers(  # type: ignore[no-untyped-call]
-        (((contract[0],), (contract[1],)), ((), ())),
-        lhs_ragged_dimensions=(0,) if lhs_ragged else (),
-        rhs_group_dimensions=(0,) if rhs_grouped else ())
-
-
-_WEIGHT_GRADIENT = _ragged_dims((0, 0), True, False)
-"""``[m, k] x [m, n] -> [g, k, n]``: per group, the sum over its rows (ragged contracting)."""
-
-
-def _in_groups(x: Any, sizes: jax.Array) -> Any:
-    """``x`` with its rows past ``sum(sizes)`` set to zero.
-
-    Those rows take no part in a ragged product (their output and gradient
-    are zero), so they must not count in its scales either: a large or
-    non-finite value there would spoil, or make NaN, a tensorwise product.
-    """
-    rows = lax.broadcasted_iota(sizes.dtype, jnp.shape(x), 0)
-    return jnp.where(rows < jnp.sum(sizes), x, jnp.zeros((), dtype_of(x)))
-
-
 def _rescaled_rows(out: jax.Array, row_scale: jax.Array, group_scale: jax.Array,
                    sizes: jax.Array) -> jax.Array:
     """``out`` ``[m, n]``, a float32 ragged product of float8 operands, rescaled.
@@ -333,7 +313,7 @@ def float8_ragged_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DT
     rhs_n = 3 - rhs_k  # rhs is [g, k, n] or [g, n, k]
     acc, lhs_dtype, rhs_dtype = join(compute, F32), dtype_of(lhs), dtype_of(rhs)
     fwd_params = dict(eqn.params, precision=None, preferred_element_type=F32)
-    lhs_gradient = _ragged_dims((1, rhs_n), True, True)  # [m, n] x rhs -> [m, k]
+    lhs_gradient = ragged_dims((1, rhs_n), True, True)  # [m, n] x rhs -> [m, k]
     lhs_format, rhs_format = formats
     tensorwise = recipe.scaling == "tensorwise"
 
@@ -347,7 +327,7 @@ def float8_ragged_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DT
                                power_of_two=recipe.power_of_two_scales, seed=seed)
 
     def forward(a: Any, b: Any, sizes: Any) -> tuple[Any, Any, Quantized, Quantized]:
-        a = _in_groups(a, sizes)
+        a = in_groups(a, sizes)
         qa, qb = q(a, lhs_format, 1), q(b, rhs_format, rhs_k)
         out = bind(eqn, (qa[0], qb[0], sizes), fwd_params)  # float8, float32 accumulation
         out = _rescaled_rows(out, qa[1], lax.squeeze(qb[1], (rhs_k,)), sizes)
@@ -369,20 +349,20 @@ def float8_ragged_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DT
 
     def product_bwd(res: tuple[Residual, Quantized, Any], g: Any) -> tuple[Any, Any, None]:
         a_res, b_res, sizes = res
-        g = _in_groups(g, sizes)
+        g = in_groups(g, sizes)
         g_rows = q(g, recipe.bwd_dtype, 1, _gradient_seed(recipe, g, 1))
         grad_lhs = float8_ragged_dot(g_rows, b_res, sizes, lhs_gradient)
         if isinstance(a_res, tuple):
             g_groups = g_rows if tensorwise else q_groups(g, recipe.bwd_dtype, sizes,
                                                           _gradient_seed(recipe, g, 2))
             grad_rhs = _rescaled_groups(
-                lax.ragged_dot_general(a_res[0], g_groups[0], sizes, _WEIGHT_GRADIENT,
+                lax.ragged_dot_general(a_res[0], g_groups[0], sizes, WEIGHT_GRADIENT,
                                        preferred_element_type=F32),
                 a_res[1], g_groups[1])
         else:
             # As the matmul class's backward products: compute-dtype operands and result.
             grad_rhs = lax.ragged_dot_general(convert(a_res, compute), convert(g, compute), sizes,
-                                              _WEIGHT_GRADIENT, preferred_element_type=compute)
+                                              WEIGHT_GRADIENT, preferred_element_type=compute)
         if rhs_k == 2:
             grad_rhs = lax.transpose(grad_rhs, (0, 2, 1))
         # The group sizes are integers: no cotangent.
