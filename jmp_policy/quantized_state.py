@@ -329,9 +329,13 @@ def _signed4(y: jax.Array, u: Optional[jax.Array]) -> jax.Array:
 
 
 def _signed4_values(codes: jax.Array) -> jax.Array:
-    k = (codes & 7).astype(jnp.int32)
-    magnitude = jnp.where(k == 0, 0.0, _power_of_two(jnp.maximum(k, 1) - 7 + 127))
-    return jnp.where(codes & 8 != 0, -magnitude, magnitude)
+    # 2**(k - 7) is the float8_e4m3fn of exponent field k and no mantissa (0 for
+    # k = 0): a bit shuffle and a conversion, which XLA:GPU finds cheap enough to
+    # recompute in each kernel that reads the state rather than store it in
+    # float32 (benchmarks/bench_xla_gpu_memory.py).
+    codes = codes.astype(jnp.uint8)
+    bits = ((codes & 8) << 4) | ((codes & 7) << 3)
+    return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
 
 
 # nonnegative4: code ``k`` is 2**((k - 15) / 2), half a binade apart, 7.5 binades
