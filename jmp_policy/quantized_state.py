@@ -333,7 +333,6 @@ def _signed4_values(codes: jax.Array) -> jax.Array:
     # k = 0): a bit shuffle and a conversion, which XLA:GPU finds cheap enough to
     # recompute in each kernel that reads the state rather than store it in
     # float32 (benchmarks/bench_xla_gpu_memory.py).
-    codes = codes.astype(jnp.uint8)
     bits = ((codes & 8) << 4) | ((codes & 7) << 3)
     return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
 
