@@ -119,7 +119,8 @@ RECIPES = [
 
 
 def tree_bytes(tree: Any) -> int:
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+    # Bits, not itemsize: XLA stores int4 (4-bit states) two values per byte.
+    return sum(math.prod(x.shape) * jax.dtypes.itemsize_bits(x.dtype) // 8
                for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
 
 

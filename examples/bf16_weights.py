@@ -201,8 +201,9 @@ def initial_params(task: Task) -> Dict[str, Any]:
 
 
 def state_bytes(tree: Any) -> int:
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
-               if hasattr(x, "dtype"))
+    # Bits, not itemsize: XLA stores int4 (4-bit states) two values per byte.
+    return sum(int(np.prod(x.shape)) * jax.dtypes.itemsize_bits(x.dtype) // 8
+               for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
 
 
 def train(task: Task, recipe: Recipe, params: Any, *, steps: int, lr: float, seed: int,

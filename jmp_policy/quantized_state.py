@@ -222,7 +222,7 @@ def quantize_state(
 
 # Each code's scaled values stay below this power of two: float8_e4m3fn's
 # largest is 448, so 256; the 4-bit codes span [-1, 1].
-_LOG2_RANGE = {FLOAT8: 8, SIGNED4: 0, NONNEGATIVE4: 0}
+_LOG2_RANGE = {FLOAT8: 8, SIGNED4: 0, NONNEGATIVE4: 8}
 
 
 def _exponents(x: Any, block_size: int, code: str) -> jax.Array:
@@ -337,50 +337,45 @@ def _signed4_values(codes: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
 
 
-# nonnegative4: code ``k`` is 2**((k - 15) / 2), half a binade apart, 7.5 binades
-# below the scale; no zero. Half binades, because Adam divides by the square root
-# of the second moment: stochastic rounding keeps the moment unbiased, but not
-# its inverse square root, which is larger on average the coarser the grid.
-_N4_SMALLEST = -15
+# nonnegative4: code ``k`` is the float8_e4m3fn 2**m or 1.5 * 2**m (m = 0 ... 8), in
+# increasing order from 1.5 to 256 (the scale puts the state below 2**8, as for
+# float8): 16 values, about half a binade apart, 7.4 binades; no zero. About half
+# a binade, because Adam divides by the square root of the second moment:
+# stochastic rounding keeps the moment unbiased, but not its inverse square
+# root, which is larger on average the coarser the grid. Float8 values, so that
+# they decode as the signed codes do.
+_N4_SMALLEST, _N4_LARGEST = 1.5, 256.0
 
 
 def _nonnegative4(y: jax.Array, u: Optional[jax.Array]) -> jax.Array:
-    magnitude = jnp.clip(y, 2.0 ** (_N4_SMALLEST / 2), 1.0)  # below: rounds up to it
-    k = jnp.clip(jnp.floor(2 * jnp.log2(magnitude)).astype(jnp.int32) - _N4_SMALLEST, 0, 15)
-    # log2 may be an ulp off at a grid point: the grid itself decides.
-    k = jnp.clip(k - (magnitude < _nonnegative4_grid(k)) + (
-        magnitude >= _nonnegative4_grid(jnp.minimum(k + 1, 15))) * (k < 15), 0, 15)
-    low, high = _nonnegative4_grid(k), _nonnegative4_grid(jnp.minimum(k + 1, 15))
-    up = _round_up(magnitude, low, jnp.where(high > low, high - low, 1.0), u) & (high > low)
-    return (k + up).astype(jnp.uint8)
-
-
-def _nonnegative4_grid(k: jax.Array) -> jax.Array:
-    """``2 ** ((k - 15) / 2)``: a power of two, times the float32 nearest sqrt(2) for
-    even ``k``, so that every backend computes the same values."""
-    half = k.astype(jnp.int32) + _N4_SMALLEST
-    whole = _power_of_two((half >> 1) + 127)  # floor((k - 15) / 2), also for negatives
-    return jnp.where(half & 1, whole * np.float32(math.sqrt(2)), whole)
+    magnitude = jnp.clip(y, _N4_SMALLEST, _N4_LARGEST)  # below: rounds up to it
+    binade = _binade(magnitude, 0)
+    # In [b, 2b), the codes b, 1.5b and 2b: half a binade apart.
+    low = jnp.where(magnitude < 1.5 * binade, binade, 1.5 * binade)
+    rounded = low + jnp.where(_round_up(magnitude, low, 0.5 * binade, u), 0.5 * binade, 0.0)
+    rounded = jnp.minimum(rounded, _N4_LARGEST)
+    # 2**m -> 2m - 1, 1.5 * 2**m -> 2m: the float32 exponent and top mantissa bit.
+    bits = jax.lax.bitcast_convert_type(rounded, jnp.int32)
+    return (((bits >> 23) - 127) * 2 + ((bits >> 22) & 1) - 1).astype(jnp.uint8)
 
 
 def _nonnegative4_values(codes: jax.Array) -> jax.Array:
-    return _nonnegative4_grid(codes)
+    # Code k - 1 = 2m + h is the float8 of exponent field m + 7 and top mantissa bit h.
+    j = codes + 1
+    bits = (((j >> 1) + 7) << 3) | ((j & 1) << 2)
+    return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
 
 
 def _pack(codes: jax.Array) -> jax.Array:
-    """Pairs of 4-bit codes along the last axis, one byte each (the first low)."""
-    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4)
+    # XLA stores int4 arrays two values per byte, in the shape of the state, so
+    # XLA:GPU writes the new codes in the kernel that writes the new weights (a
+    # donated state is updated in place). int4 rather than uint4: orbax saves it.
+    # Codes 0 ... 15 are stored as the int4 of the same bits.
+    return ((codes.astype(jnp.int8) ^ 8) - 8).astype(jnp.int4)
 
 
 def _unpack(values: jax.Array) -> jax.Array:
-    # Each byte repeated, then shifted by its position's half: a broadcast and an
-    # elementwise op that fuse into the consumer (a concatenation of the two
-    # halves would be stored first).
-    both = jnp.broadcast_to(values[..., None], (*values.shape, 2)).reshape(
-        *values.shape[:-1], -1)
-    shift = (jax.lax.broadcasted_iota(jnp.uint8, both.shape, both.ndim - 1) & 1) * 4
-    return (both >> shift) & 15
+    return (values.astype(jnp.int8) & 15).astype(jnp.uint8)
 
 
 def _block(last: int, block_size: int) -> int:
