@@ -2,14 +2,15 @@
 
 `quantize_state` stores the large floating arrays of any optax optimizer's
 state (Adam's moments, momentum, Lion's ``mu``...) in 8 bits (float8_e4m3fn
-values) or 4 bits (two codes per byte), with one power-of-two scale per block
-of consecutive values along the last axis, stored as its 8-bit exponent.
+values) or 4 bits (int4 codes, which XLA stores two per byte), with one
+power-of-two scale per block of consecutive values along the last axis,
+stored as its 8-bit exponent.
 Each ``update`` rebuilds the float32 state, runs the inner optimizer in float32
 and quantizes the new state again.
 
 * **Scales per block.** A block's scale is the power of two just above its
-  largest magnitude (divided by 256 for float8, whose values then stay below
-  its largest, 448), so the values of one block share their range and an
+  largest magnitude (divided by 256 for float8 and the non-negative 4-bit
+  codes, whose values then stay below their largest), so the values of one block share their range and an
   outlier costs only its block's precision. Power-of-two scales cost one byte
   and are exact: scaling changes no mantissa bit. Blocks run along the last
   axis, so a state sharded like its parameter keeps its sharding (a block
@@ -19,7 +20,9 @@ and quantizes the new state again.
   binades of range. 4 bits: signed powers of two (0, ±2**-6 ... ±1 of the
   block's scale) for signed states such as momentum; for states that are
   never negative (``nonnegative`` paths: Adam's second moment ``nu``...),
-  16 values half a binade apart, 2**-7.5 ... 1 of the scale, without zero.
+  the float8 values 2**m and 1.5 * 2**m from 1.5 to 256 (about half a binade
+  apart, below a scale that puts the state below 2**8 as for float8), without
+  zero. Every code decodes through a float8 conversion.
 * **Stochastic rounding.** Each value rounds to one of its two neighbouring
   codes with probabilities that make the stored mean the float32 value: a
   slowly moving average (Adam's second moment) still moves.
@@ -83,9 +86,8 @@ class QuantizedArray:
     """A float32 array stored as 8- or 4-bit codes and one power-of-two scale per block.
 
     Attributes:
-      values: the codes. ``"float8"``: float8_e4m3fn, the array's shape;
-        ``"signed4"`` and ``"nonnegative4"``: uint8, two 4-bit codes per byte
-        (the array's shape with the last dimension halved).
+      values: the codes, in the array's shape. ``"float8"``: float8_e4m3fn;
+        ``"signed4"`` and ``"nonnegative4"``: int4 holding the code's bits.
       exponents: uint8, the array's shape with the last dimension divided by
         the block size: block ``i``'s scale is ``2.0 ** (exponents[i] - 127)``.
       code: how the codes read (static: not a leaf): ``"float8"``, ``"signed4"``
