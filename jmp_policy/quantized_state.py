@@ -155,9 +155,8 @@ def quantize_state(
         raise ValueError("quantize_state: nonnegative applies to 4-bit states (bits=4); "
                          "8-bit states are float8, signed, for every array.")
     block_size = DEFAULT_BLOCK_SIZE[bits] if block_size is None else block_size
-    if not isinstance(block_size, int) or block_size < 1 or (bits == 4 and block_size % 2):
-        raise ValueError("quantize_state: block_size must be a positive int (even for "
-                         f"bits=4), got {block_size!r}.")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"quantize_state: block_size must be a positive int, got {block_size!r}.")
     rounding = _check_choice("quantize_state", "rounding", rounding, ROUNDINGS)
     rules = _compiled(keep)
     user_nonnegative = nonnegative is not None
@@ -383,8 +382,6 @@ def _unpack(values: jax.Array) -> jax.Array:
 def _block(last: int, block_size: int) -> int:
     """The block of an array whose last dimension is ``last``: 0 for none."""
     block = math.gcd(last, block_size)
-    if block % 2 and not block_size % 2:  # 4-bit codes pair up within a block
-        return 0
     return block if block >= min(block_size, _MIN_BLOCK) else 0
 
 
