@@ -14,10 +14,11 @@ The workload is ``bench_low_precision``'s optimizer step (``update`` +
 and 4-bit SGD with momentum and Lion, each compiled with the weights and
 optimizer state donated (as a train loop does) and without. Figures:
 temporaries (``memory_analysis``) in units of one float32 copy of the largest
-leaf, copies in the optimized HLO, kernels (fusions). (A deviceless compile
-gives no cost analysis, and cannot lower host callbacks: the
-``low_precision_params`` recipes, whose misuse check calls back to the host,
-compile only on a machine with a GPU.)
+leaf, copies in the optimized HLO, kernels (fusions), and the bytes those
+kernels read and write, summed from the optimized HLO (a deviceless compile
+gives no cost analysis). A deviceless compile also cannot lower host
+callbacks: the ``low_precision_params`` recipes, whose misuse check calls
+back to the host, compile only on a machine with a GPU.
 
 Without a GPU, in a virtual environment of its own (the CUDA wheels are
 about 4 GB; no driver needed), from the repository root::
@@ -71,6 +72,7 @@ COLUMNS = [
     harness.Column("temp_bytes", "temporaries", "bytes", ratio=False),
     harness.Column("copies", "copies", "count", ratio=False),
     harness.Column("fusions", "kernels (fusions)", "count"),
+    harness.Column("kernel_bytes", "bytes read + written (kernels)", "bytes"),
 ]
 
 
@@ -111,7 +113,8 @@ def figures(tx: optax.GradientTransformation, params: Any, sharding: Any,
     compiled = jax.jit(step, donate_argnums=donate).lower(params, state, params).compile()
     hlo = harness.hlo_figures(compiled.as_text())
     out: Dict[str, Any] = dict(harness.memory_figures(compiled))
-    out.update(copies=hlo["copies"], fusions=hlo["fusions"])
+    out.update(copies=hlo["copies"], fusions=hlo["fusions"],
+               kernel_bytes=harness.kernel_bytes(compiled.as_text()))
     largest = max(math.prod(x.shape) for x in jax.tree.leaves(params)) * 4
     out["temp_per_leaf"] = out["temp_bytes"] / largest
     return out

@@ -190,6 +190,7 @@ class HloInstruction:
     name: str
     opcode: str
     shape: str  # the result type as printed, e.g. "f32[512,2048]{1,0}" or a tuple
+    operands: Tuple[str, ...] = ()
 
 
 def parse_hlo(text: str) -> List[HloInstruction]:
@@ -209,8 +210,10 @@ def parse_hlo(text: str) -> List[HloInstruction]:
         if m:
             shape, rest = _split_shape(m.group(2))
             opcode = re.match(r"([\w\-]+)", rest)
+            operands = _split_shape(rest[len(opcode.group(1)):])[0] if opcode else ""
             out.append(HloInstruction(computation, m.group(1),
-                                      opcode.group(1) if opcode else "", shape))
+                                      opcode.group(1) if opcode else "", shape,
+                                      tuple(re.findall(r"%([\w.\-]+)", operands))))
     return out
 
 
@@ -278,6 +281,29 @@ def hlo_figures(text: str, argument_shapes: Iterable[Tuple[str, Tuple[int, ...]]
         "entry_param_sized_copies": sum(_shape_key(i.shape) in shapes for i in copies
                                         if entry and i.computation == entry.group(1)),
     }
+
+
+def kernel_bytes(text: str) -> float:
+    """Bytes the kernels of an optimized HLO module read and write: for each
+    instruction outside fusion bodies that launches work, its operands' and its
+    result's sizes (int4 and float4 at half a byte, as XLA stores them). A
+    portable stand-in for ``bytes accessed`` where XLA gives no cost analysis
+    (a deviceless compile); loop bodies count once."""
+    instructions = parse_hlo(text)
+    fused = fused_computations(text)
+    sizes = {i.name: _shape_bytes(i.shape) for i in instructions}
+    return sum(sizes[i.name] + sum(sizes.get(o, 0.0) for o in i.operands)
+               for i in instructions if i.computation not in fused
+               and i.opcode not in _FREE | {"while", "conditional", "call"})
+
+
+def _shape_bytes(shape: str) -> float:
+    """Bytes of an HLO type (a tuple's elements summed): ``f32[4,8]{1,0}`` -> 128."""
+    total = 0.0
+    for dtype, dims in re.findall(r"([a-z][a-z0-9]*)\[([\d,]*)\]", shape):
+        bits = 8 if dtype == "pred" else int(re.search(r"\d+", dtype).group())
+        total += math.prod(int(d) for d in dims.split(",") if d) * bits / 8
+    return total
 
 
 def cost_figures(compiled: Any) -> Dict[str, Optional[float]]:

@@ -108,6 +108,10 @@ ENTRY %main (a: f32[4], t: (f32[4], s32[])) -> f32[4] {
     assert figures == {"hlo_instructions": 7, "top_level_ops": 3, "fusions": 1,
                        "conditionals": 0, "while_loops": 0, "copies": 1, "param_sized_copies": 1,
                        "entry_param_sized_copies": 1}
+    # copy 16 + 16, fusion 16 + 16, add 16 + 16 + 16 (the fusion body's negate: none)
+    assert harness.kernel_bytes(text) == 112
+    int4 = text.replace("%c = f32[4]{0} copy(%a)", "%c = s4[4]{0:E(4)} convert(%a)")
+    assert harness.kernel_bytes(int4) == 112 - 16 + 2 - 16 + 2   # int4: half a byte
 
 
 def test_scripts_use_the_public_api_and_leave_sys_path_alone():
