@@ -10,8 +10,8 @@ and quantizes the new state again.
 
 * **Scales per block.** A block's scale is the power of two just above its
   largest magnitude (divided by 256 for float8 and the non-negative 4-bit
-  codes, whose values then stay below their largest), so the values of one block share their range and an
-  outlier costs only its block's precision. Power-of-two scales cost one byte
+  codes, whose values then stay below their largest), so the values of one
+  block share their range and an outlier costs only its block's precision. Power-of-two scales cost one byte
   and are exact: scaling changes no mantissa bit. Blocks run along the last
   axis, so a state sharded like its parameter keeps its sharding (a block
   never straddles a shard when the shard's last dimension is a multiple of
@@ -222,7 +222,8 @@ def quantize_state(
 # --------------------------------------------------------------------------- #
 
 # Each code's scaled values stay below this power of two: float8_e4m3fn's
-# largest is 448, so 256; the 4-bit codes span [-1, 1].
+# largest is 448, so 256 (also for the non-negative 4-bit codes, float8 values
+# up to 256); the signed 4-bit codes span [-1, 1].
 _LOG2_RANGE = {FLOAT8: 8, SIGNED4: 0, NONNEGATIVE4: 8}
 
 
@@ -262,7 +263,7 @@ def quantize(x: Any, block_size: int, code: str = FLOAT8,
     if code == FLOAT8:
         values = _float8(y, u)
     else:
-        values = _pack(_nonnegative4(y, u) if code == NONNEGATIVE4 else _signed4(y, u))
+        values = _to_int4(_nonnegative4(y, u) if code == NONNEGATIVE4 else _signed4(y, u))
     return QuantizedArray(values.reshape(*x.shape[:-1], -1), exponents, code)
 
 
@@ -273,7 +274,7 @@ def dequantize(x: Any) -> Any:
     if x.code == FLOAT8:
         values = x.values.astype(jnp.float32)
     else:
-        codes = _unpack(x.values)
+        codes = _from_int4(x.values)
         values = (_nonnegative4_values(codes) if x.code == NONNEGATIVE4
                   else _signed4_values(codes))
     blocks = values.reshape(*x.exponents.shape, -1)
@@ -351,7 +352,7 @@ _N4_SMALLEST, _N4_LARGEST = 1.5, 256.0
 def _nonnegative4(y: jax.Array, u: Optional[jax.Array]) -> jax.Array:
     magnitude = jnp.clip(y, _N4_SMALLEST, _N4_LARGEST)  # below: rounds up to it
     binade = _binade(magnitude, 0)
-    # In [b, 2b), the codes b, 1.5b and 2b: half a binade apart.
+    # In [b, 2b), the codes b, 1.5b and 2b.
     low = jnp.where(magnitude < 1.5 * binade, binade, 1.5 * binade)
     rounded = low + jnp.where(_round_up(magnitude, low, 0.5 * binade, u), 0.5 * binade, 0.0)
     rounded = jnp.minimum(rounded, _N4_LARGEST)
@@ -367,7 +368,7 @@ def _nonnegative4_values(codes: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
 
 
-def _pack(codes: jax.Array) -> jax.Array:
+def _to_int4(codes: jax.Array) -> jax.Array:
     # XLA stores int4 arrays two values per byte, in the shape of the state, so
     # XLA:GPU writes the new codes in the kernel that writes the new weights (a
     # donated state is updated in place). int4 rather than uint4: orbax saves it.
@@ -375,7 +376,7 @@ def _pack(codes: jax.Array) -> jax.Array:
     return ((codes.astype(jnp.int8) ^ 8) - 8).astype(jnp.int4)
 
 
-def _unpack(values: jax.Array) -> jax.Array:
+def _from_int4(values: jax.Array) -> jax.Array:
     return (values.astype(jnp.int8) & 15).astype(jnp.uint8)
 
 
