@@ -271,6 +271,12 @@ def dequantize(x: Any) -> Any:
     """The float32 array a `QuantizedArray` stores; anything else as it is."""
     if not _is_quantized(x):
         return x
+    want = jnp.float8_e4m3fn if x.code == FLOAT8 else jnp.int4
+    if x.values.dtype != want:
+        raise ValueError(
+            f"dequantize: {x.code!r} codes are {jnp.dtype(want).name} in the state's shape, "
+            f"got {x.values.dtype}{list(x.values.shape)} (a state saved before 4-bit codes "
+            "became int4?): initialise the optimizer state again.")
     if x.code == FLOAT8:
         values = x.values.astype(jnp.float32)
     else:

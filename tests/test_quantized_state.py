@@ -363,6 +363,12 @@ def test_quantized_states_stay_sharded_like_their_parameters(tmp_path):
     assert json.loads(out.read_text()) == {"8": facts, "4": facts}
 
 
+def test_codes_of_another_layout_are_refused():
+    old = QuantizedArray(jnp.zeros((4, 128), jnp.uint8), jnp.zeros((4, 8), jnp.uint8), "signed4")
+    with pytest.raises(ValueError, match=r"'signed4' codes are int4 .* got uint8\[4, 128\]"):
+        dequantize(old)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_orbax_checkpoint_resumes_bit_identically(tmp_path, bits):
     ocp = pytest.importorskip("orbax.checkpoint")
