@@ -1,15 +1,18 @@
 """bfloat16 weights and optimizer states: memory and cost against float32 weights and Adam.
 
 Recipes (Adam throughout; ``jmp_policy.low_precision_params`` for the
-methods, ``jmp_policy.cast_state`` for bfloat16 moments):
+methods, ``jmp_policy.cast_state`` for bfloat16 moments,
+``jmp_policy.quantize_state`` for 8-bit and 4-bit ones):
 
 * ``adam``: float32 weights, float32 moments (the baseline: float32 master
   weights, 12 bytes per parameter);
 * ``adam, bf16 moments``: float32 weights, ``cast_state(adam)``;
 * ``bf16 nearest``: bfloat16 weights and plain ``optax.adam`` (bfloat16
   moments, every update rounded to nearest);
-* ``kahan``, ``stochastic``, ``split``: bfloat16 weights, with float32 or
-  bfloat16 (``+ bf16 moments``) moments.
+* ``adam, 8-bit moments``, ``adam, 4-bit moments``: float32 weights,
+  ``quantize_state(adam, bits=8 | 4)``;
+* ``kahan``, ``stochastic``, ``split``: bfloat16 weights, with float32,
+  bfloat16 (``+ bf16 moments``), 8-bit or 4-bit moments.
 
 Two workloads, each step donating weights and optimizer state:
 
@@ -36,6 +39,9 @@ Commands (from the repository root; JSON to ``benchmarks/results/bench_low_preci
     python benchmarks/bench_low_precision.py --quick         # smoke run, ~1 min
     python benchmarks/bench_low_precision.py --exhaustive    # + the 2**32 pairs
     python benchmarks/bench_low_precision.py --size gpu      # the GPU sizes (default on a GPU)
+    # the LM at the GPU size (101.8M parameters), XLA's figures only: ~5 min on a CPU
+    python benchmarks/bench_low_precision.py --size gpu --workloads train --no-wall \
+        --json benchmarks/results/bench_low_precision_lm_gpu_size.json
 """
 
 from __future__ import annotations
