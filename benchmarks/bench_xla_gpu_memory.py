@@ -19,8 +19,8 @@ kernels read and write, summed from the optimized HLO (a deviceless compile
 gives no cost analysis). A deviceless compile also cannot lower host
 callbacks, which ``low_precision_params``' misuse check makes: without a GPU,
 its recipes are compiled with ``jax.pure_callback`` returning zeros on the
-device instead (their rows say so), a program that differs from the real one
-in that conditional branch only. Their rows' note: "callback as zeros".
+device instead (rows noted "callback as zeros"), a program that differs from
+the real one in that conditional branch only.
 
 Without a GPU, in a virtual environment of its own (the CUDA wheels are
 about 4 GB; no driver needed), from the repository root::
