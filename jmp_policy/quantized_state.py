@@ -263,7 +263,7 @@ def quantize(x: Any, block_size: int, code: str = FLOAT8,
     if code == FLOAT8:
         values = _float8(y, u)
     else:
-        values = _to_int4(_nonnegative4(y, u) if code == NONNEGATIVE4 else _signed4(y, u))
+        values = _nonnegative4(y, u) if code == NONNEGATIVE4 else _signed4(y, u)
     return QuantizedArray(values.reshape(*x.shape[:-1], -1), exponents, code)
 
 
@@ -280,9 +280,8 @@ def dequantize(x: Any) -> Any:
     if x.code == FLOAT8:
         values = x.values.astype(jnp.float32)
     else:
-        codes = _from_int4(x.values)
-        values = (_nonnegative4_values(codes) if x.code == NONNEGATIVE4
-                  else _signed4_values(codes))
+        values = (_nonnegative4_values(x.values) if x.code == NONNEGATIVE4
+                  else _signed4_values(x.values))
     blocks = values.reshape(*x.exponents.shape, -1)
     return (blocks * _power_of_two(x.exponents)[..., None]).reshape(values.shape)
 
@@ -322,7 +321,15 @@ def _float8(y: jax.Array, u: Optional[jax.Array]) -> jax.Array:
     return (jnp.sign(y) * rounded).astype(jnp.float8_e4m3fn)
 
 
-# signed4: bit 3 the sign, bits 0-2 ``k``: 0 for zero, else the magnitude 2**(k - 7).
+# The 4-bit codes are int4, which XLA stores two per byte in the state's shape,
+# so that XLA:GPU writes the new codes in the kernel that writes the new
+# weights (a donated state is then updated in place); int4 rather than uint4:
+# orbax saves it. Each decodes into the bits of a float8_e4m3fn with two
+# integer operations: cheap enough that XLA:GPU recomputes the state in each
+# kernel that reads it rather than store it (benchmarks/bench_xla_gpu_memory.py).
+
+# signed4: bit 3 the sign, bits 0-2 ``k``: 0 for zero, else the magnitude
+# 2**(k - 7), which is the float8_e4m3fn of exponent field k and no mantissa.
 _S4_SMALLEST = -6
 
 
@@ -333,25 +340,24 @@ def _signed4(y: jax.Array, u: Optional[jax.Array]) -> jax.Array:
     rounded = low + jnp.where(_round_up(magnitude, low, spacing, u), spacing, 0.0)
     k = jnp.where(rounded == 0, 0,
                   (jax.lax.bitcast_convert_type(rounded, jnp.int32) >> 23) - 127 + 7)
-    return (k + jnp.where(y < 0, 8, 0)).astype(jnp.uint8)
+    # The int4 of bits (sign, k): k, or k - 8 with the sign.
+    return (k - jnp.where(y < 0, 8, 0)).astype(jnp.int4)
 
 
 def _signed4_values(codes: jax.Array) -> jax.Array:
-    # 2**(k - 7) is the float8_e4m3fn of exponent field k and no mantissa (0 for
-    # k = 0): a bit shuffle and a conversion, which XLA:GPU finds cheap enough to
-    # recompute in each kernel that reads the state rather than store it in
-    # float32 (benchmarks/bench_xla_gpu_memory.py).
-    bits = ((codes & 8) << 4) | ((codes & 7) << 3)
+    # Shifted by 3, the sign-extended int8 puts the sign at float8's bit 7 and k at
+    # its exponent field; the mask clears bit 6 (set with the sign).
+    bits = (codes.astype(jnp.int8) << 3) & np.int8(-72)   # 0b10111000
     return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
 
 
-# nonnegative4: code ``k`` is the float8_e4m3fn 2**m or 1.5 * 2**m (m = 0 ... 8), in
-# increasing order from 1.5 to 256 (the scale puts the state below 2**8, as for
-# float8): 16 values, about half a binade apart, 7.4 binades; no zero. About half
-# a binade, because Adam divides by the square root of the second moment:
-# stochastic rounding keeps the moment unbiased, but not its inverse square
-# root, which is larger on average the coarser the grid. Float8 values, so that
-# they decode as the signed codes do.
+# nonnegative4: the float8_e4m3fn values 2**m and 1.5 * 2**m (m = 0 ... 8) from 1.5
+# to 256 (the scale puts the state below 2**8, as for float8): 16 values, about
+# half a binade apart, 7.4 binades; no zero. About half a binade, because Adam
+# divides by the square root of the second moment: stochastic rounding keeps the
+# moment unbiased, but not its inverse square root, which is larger on average
+# the coarser the grid. In increasing order their float8 bits are consecutive
+# multiples of 4, (c + 23) * 4 for the int4 c = -8 ... 7.
 _N4_SMALLEST, _N4_LARGEST = 1.5, 256.0
 
 
@@ -362,28 +368,15 @@ def _nonnegative4(y: jax.Array, u: Optional[jax.Array]) -> jax.Array:
     low = jnp.where(magnitude < 1.5 * binade, binade, 1.5 * binade)
     rounded = low + jnp.where(_round_up(magnitude, low, 0.5 * binade, u), 0.5 * binade, 0.0)
     rounded = jnp.minimum(rounded, _N4_LARGEST)
-    # 2**m -> 2m - 1, 1.5 * 2**m -> 2m: the float32 exponent and top mantissa bit.
+    # float32 bits 30-22 (the exponent and the top mantissa bit) count the same
+    # steps: 2**0 is 254 there, 1.5 (c = -8) 255.
     bits = jax.lax.bitcast_convert_type(rounded, jnp.int32)
-    return (((bits >> 23) - 127) * 2 + ((bits >> 22) & 1) - 1).astype(jnp.uint8)
+    return ((bits >> 22) - 263).astype(jnp.int4)
 
 
 def _nonnegative4_values(codes: jax.Array) -> jax.Array:
-    # Code k - 1 = 2m + h is the float8 of exponent field m + 7 and top mantissa bit h.
-    j = codes + 1
-    bits = (((j >> 1) + 7) << 3) | ((j & 1) << 2)
+    bits = (codes.astype(jnp.int8) + 23) << 2
     return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
-
-
-def _to_int4(codes: jax.Array) -> jax.Array:
-    # XLA stores int4 arrays two values per byte, in the shape of the state, so
-    # XLA:GPU writes the new codes in the kernel that writes the new weights (a
-    # donated state is updated in place). int4 rather than uint4: orbax saves it.
-    # Codes 0 ... 15 are stored as the int4 of the same bits.
-    return ((codes.astype(jnp.int8) ^ 8) - 8).astype(jnp.int4)
-
-
-def _from_int4(values: jax.Array) -> jax.Array:
-    return (values.astype(jnp.int8) & 15).astype(jnp.uint8)
 
 
 def _block(last: int, block_size: int) -> int:
