@@ -27,6 +27,9 @@ about 4 GB; no driver needed), from the repository root::
 
     python -m venv /tmp/gpuvenv && /tmp/gpuvenv/bin/pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')" optax
     PYTHONPATH=. /tmp/gpuvenv/bin/python benchmarks/bench_xla_gpu_memory.py
+    # bench_low_precision's GPU size (100.7M parameters in 48 leaves), ~10 min:
+    PYTHONPATH=. /tmp/gpuvenv/bin/python benchmarks/bench_xla_gpu_memory.py --params 1e8 \
+        --json benchmarks/results/bench_xla_gpu_memory_100m.json
 
 JSON to ``benchmarks/results/bench_xla_gpu_memory.json``.
 """
