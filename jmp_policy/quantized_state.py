@@ -165,28 +165,24 @@ def quantize_state(
     key = data if rounding == "stochastic" else None
     inner = optax.with_extra_args_support(inner)
 
-    def codes(state: Any) -> Any:
-        """Per leaf of ``state``: its code, or ``None`` for a leaf kept as it is."""
-        def one(path: Any, x: Any) -> Optional[str]:
-            if not _quantized_leaf(path, x, block_size, min_size, rules):
-                return None
-            if bits == 8:
-                return FLOAT8
-            name = jax.tree_util.keystr(path)
-            return NONNEGATIVE4 if any(r.search(name) for r in positive) else SIGNED4
-        return jax.tree_util.tree_map_with_path(one, state)
+    def code(path: Any, unit: Any) -> Optional[str]:
+        """The code of one state array (or of the node standing for it), or ``None``
+        for an array kept as it is."""
+        if not _quantized_leaf(path, _array(unit), block_size, min_size, rules):
+            return None
+        if bits == 8:
+            return FLOAT8
+        name = jax.tree_util.keystr(path)
+        return NONNEGATIVE4 if any(r.search(name) for r in positive) else SIGNED4
 
     def quantized(state: Any, step_key: Optional[jax.Array]) -> Any:
-        seeds = (_leaf_seeds(step_key, state) if step_key is not None
-                 else jax.tree_util.tree_map(lambda x: None, state))
-
-        def one(x: Any, code: Optional[str], leaf_seed: Any) -> Any:
-            if code is None:
-                return x
-            return quantize(x, _block(np.shape(x)[-1], block_size), code, leaf_seed)
-
-        return jax.tree_util.tree_map(one, state, codes(state), seeds,
-                                      is_leaf=lambda x: x is None)
+        units, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_array_node)
+        arrays = [_array(unit) for _, unit in units]
+        seeds = (_leaf_seeds(step_key, arrays) if step_key is not None
+                 else [None] * len(arrays))
+        return jax.tree_util.tree_unflatten(treedef, [
+            _quantized_unit(unit, code(path, unit), block_size, seed)
+            for (path, unit), seed in zip(units, seeds)])
 
     def init_fn(params: optax.Params) -> QuantizedState:
         inner_state = inner.init(params)
@@ -271,19 +267,20 @@ def dequantize(x: Any) -> Any:
     """The float32 array a `QuantizedArray` stores; anything else as it is."""
     if not _is_quantized(x):
         return x
+    codes, exponents = _array(x.values), _array(x.exponents)
     want = jnp.float8_e4m3fn if x.code == FLOAT8 else jnp.int4
-    if x.values.dtype != want:
+    if codes.dtype != want:
         raise ValueError(
             f"dequantize: {x.code!r} codes are {jnp.dtype(want).name} in the state's shape, "
-            f"got {x.values.dtype}{list(x.values.shape)} (a state saved before 4-bit codes "
+            f"got {codes.dtype}{list(codes.shape)} (a state saved before 4-bit codes "
             "became int4?): initialise the optimizer state again.")
     if x.code == FLOAT8:
-        values = x.values.astype(jnp.float32)
+        values = codes.astype(jnp.float32)
     else:
-        values = (_nonnegative4_values(x.values) if x.code == NONNEGATIVE4
-                  else _signed4_values(x.values))
-    blocks = values.reshape(*x.exponents.shape, -1)
-    return (blocks * _power_of_two(x.exponents)[..., None]).reshape(values.shape)
+        values = (_nonnegative4_values(codes) if x.code == NONNEGATIVE4
+                  else _signed4_values(codes))
+    blocks = values.reshape(*exponents.shape, -1)
+    return (blocks * _power_of_two(exponents)[..., None]).reshape(values.shape)
 
 
 # --------------------------------------------------------------------------- #
@@ -390,6 +387,34 @@ _MIN_BLOCK = 32
 
 def _is_quantized(x: Any) -> bool:
     return isinstance(x, QuantizedArray)
+
+
+def _is_array_node(x: Any) -> bool:
+    """A pytree node that stands for one array, its only leaf: it defines
+    ``__jax_array__``, as Flax NNX's ``Variable`` does."""
+    return (hasattr(x, "__jax_array__") and not isinstance(x, jax.Array)
+            and len(jax.tree_util.tree_leaves(x)) == 1)
+
+
+def _array(unit: Any) -> Any:
+    """The array of a state leaf, or of a node standing for one."""
+    return jax.tree_util.tree_leaves(unit)[0] if _is_array_node(unit) else unit
+
+
+def _quantized_unit(unit: Any, code: Optional[str], block_size: int,
+                    seed: Optional[jax.Array]) -> Any:
+    """``unit`` quantized with ``code`` (as it is for ``None``). A node standing for
+    an array (an NNX ``Variable``) wraps each field of the `QuantizedArray`, so
+    that what holds one array still does (``nnx.Optimizer`` keeps one per array)."""
+    if code is None:
+        return unit
+    x = _array(unit)
+    q = quantize(x, _block(np.shape(x)[-1], block_size), code, seed)
+    if x is unit:
+        return q
+    node = jax.tree_util.tree_structure(unit)
+    return QuantizedArray(jax.tree_util.tree_unflatten(node, [q.values]),
+                          jax.tree_util.tree_unflatten(node, [q.exponents]), code)
 
 
 def _quantized_leaf(path: Any, x: Any, block_size: int, min_size: int,

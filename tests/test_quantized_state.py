@@ -436,3 +436,29 @@ def test_the_step_keeps_no_float32_copy_of_the_state(bits, rounding):
     # Donated, XLA:CPU copies the old quantized state first (apply_updates reads it
     # after the new state may be written in place), but still stores no float32 state.
     assert temp((0, 1)) <= quantized + 0.1 * leaf
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_nnx_optimizer_keeps_the_quantized_state_across_steps(bits):
+    nnx = pytest.importorskip("flax.nnx")
+    x = jnp.asarray(RNG.randn(16, 256).astype(np.float32))
+
+    def train(tx):
+        model = nnx.Linear(256, 256, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer):
+            loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(model)
+            optimizer.update(model, grads)
+            return loss
+
+        return [float(step(model, optimizer)) for _ in range(30)], optimizer
+
+    want, _ = train(optax.adam(1e-2))
+    got, optimizer = train(quantize_state(optax.adam(1e-2), bits=bits, min_size=0))
+    # nnx.Optimizer keeps a Variable per array: each field of the QuantizedArray.
+    mu = nnx.as_pure(optimizer.opt_state).inner_state[0].mu["kernel"]
+    assert isinstance(mu, QuantizedArray)
+    assert mu.values.dtype == (jnp.float8_e4m3fn if bits == 8 else jnp.int4)
+    assert got[-1] < 0.3 * got[0] and abs(got[-1] - want[-1]) < 0.1 * want[0], (got, want)
