@@ -11,11 +11,11 @@ and quantizes the new state again.
 * **Scales per block.** A block's scale is the power of two just above its
   largest magnitude (divided by 256 for float8 and the non-negative 4-bit
   codes, whose values then stay below their largest), so the values of one
-  block share their range and an outlier costs only its block's precision. Power-of-two scales cost one byte
-  and are exact: scaling changes no mantissa bit. Blocks run along the last
-  axis, so a state sharded like its parameter keeps its sharding (a block
-  never straddles a shard when the shard's last dimension is a multiple of
-  the block).
+  block share their range and an outlier costs only its block's precision.
+  Power-of-two scales cost one byte and are exact: scaling changes no
+  mantissa bit. Blocks run along the last axis, so a state sharded like its
+  parameter keeps its sharding (a block never straddles a shard when the
+  shard's last dimension is a multiple of the block).
 * **Codes suited to each moment.** 8 bits: float8_e4m3fn, signed, about 17
   binades of range. 4 bits: signed powers of two (0, ±2**-6 ... ±1 of the
   block's scale) for signed states such as momentum; for states that are
