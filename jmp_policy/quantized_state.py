@@ -204,9 +204,7 @@ def quantize_state(
 
         widened = jax.tree_util.tree_map(dequantize, state.inner_state, is_leaf=_is_quantized)
         updates, inner_state = inner.update(grads, widened, params, **extra_args)
-        if state.key is None:
-            return updates, QuantizedState(quantized(inner_state, None), None)
-        next_key, step_key = _split_key(state.key, impl)
+        next_key, step_key = (None, None) if state.key is None else _split_key(state.key, impl)
         return updates, QuantizedState(quantized(inner_state, step_key), next_key)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
