@@ -1,0 +1,262 @@
+"""Number formats: what each low-precision float format is, and rounding to it.
+
+Every low-precision feature of the library stands on this module: the float8
+and block-scaled products, the numerics inspector, `low_precision_params`,
+`cast_state` and `quantize_state`. A format is a grid of values; rounding to it
+is written here once, in float32, with ``lax.reduce_precision``, ``lax.round``,
+bitcasts and integer operations only.
+
+Why not ``x.astype(dtype).astype(jnp.float32)``? Under ``jit``, XLA:GPU (with
+``xla_allow_excess_precision``, its default) replaces a float round trip
+``convert(convert(x, narrow), wide)`` by ``x``, also after moving the
+conversions across reshapes, transposes and broadcasts: the value is then never
+rounded. The operations here are not float conversions, so no compiler rewrite
+removes them:
+
+* `round_nearest` gives, in float32, bit for bit the value that
+  ``convert(x, dtype)`` gives (rounding to nearest even, subnormals,
+  overflow to inf, NaN or the largest value as the format says);
+* `round_stochastic` rounds to one of the two neighbours on the grid,
+  unbiased, with random bits from `random_bits`;
+* `widen` is the float32 value of a narrow array, right whether or not the
+  compiler removed the conversion that made it: ``round_nearest`` of its
+  conversion to float32 (exact when the conversion was kept, the rounding
+  restored when it was not);
+* `encode` converts float32 values to the format, rounded either way.
+
+Randomness for stochastic rounding is one counter-based hash
+(`random_bits`): the bits of an element are a hash of its index in the array
+and a seed of two uint32 words. The optimizer transformations draw the seed of
+each step from the PRNG key in their state; a stateless product draws it from
+the values it rounds (``seed_from_values``).
+
+>>> import jax, jax.numpy as jnp
+>>> x = jnp.array([1.0, 1.06, 500.0, 1e-3])   # 1e-3: between 2**-10 and 2**-9
+>>> round_nearest(x, jnp.float8_e4m3fn).tolist()   # 500 is beyond 448: NaN, as convert gives
+[1.0, 1.0, nan, 0.001953125]
+>>> jax.jit(lambda x: widen(x.astype(jnp.float16)))(jnp.array([70000.0, 1.0001])).tolist()
+[inf, 1.0]
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Literal, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_F32 = np.dtype(np.float32)
+_U32 = np.uint32
+_MANTISSA_BITS = 23  # float32's
+
+
+class Format(NamedTuple):
+    """A floating format's grid, as far as rounding to it needs.
+
+    Attributes:
+      dtype: the numpy dtype.
+      mantissa: explicit mantissa bits (3 for ``float8_e4m3fn``).
+      min_exponent: exponent of the smallest normal value (-6: ``2**-6``).
+      max: the largest finite value (448).
+      overflow: what a value that rounds beyond ``max`` becomes: ``"inf"``
+        (IEEE formats: float16, bfloat16, float8_e5m2), ``"nan"`` (formats with
+        no inf: float8_e4m3fn) or ``"saturate"`` (formats with neither:
+        float4_e2m1fn, whose conversion clamps to the largest value).
+    """
+
+    dtype: np.dtype[Any]
+    mantissa: int
+    min_exponent: int
+    max: float
+    overflow: Literal["inf", "nan", "saturate"]
+
+    @property
+    def tiny(self) -> float:
+        """The smallest normal magnitude."""
+        return 2.0 ** self.min_exponent
+
+    @property
+    def smallest(self) -> float:
+        """The smallest subnormal magnitude: the grid's spacing below `tiny`."""
+        return 2.0 ** (self.min_exponent - self.mantissa)
+
+    @property
+    def f32_range(self) -> bool:
+        """Whether the format's exponents reach float32's smallest (bfloat16's do): its
+        subnormals are float32 subnormals, and ``reduce_precision`` rounds them."""
+        return self.min_exponent <= -126
+
+
+@functools.lru_cache(maxsize=None)
+def format_of(dtype: Any) -> Format:
+    """The `Format` of a floating dtype narrower than float32.
+
+    >>> fmt = format_of(jnp.float8_e4m3fn)
+    >>> fmt.mantissa, fmt.min_exponent, fmt.max, fmt.overflow, fmt.smallest
+    (3, -6, 448.0, 'nan', 0.001953125)
+    """
+    dtype = np.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize >= 4:
+        raise ValueError(f"format_of takes a floating dtype narrower than float32, got {dtype}.")
+    info = jnp.finfo(dtype)  # type: ignore[no-untyped-call]
+    if int(info.nmant) == 0:
+        raise ValueError(f"{dtype} has no mantissa (a scale format): its values are powers "
+                         "of two, which float32 holds exactly; there is nothing to round.")
+    with np.errstate(all="ignore"):
+        beyond = float(np.array(np.inf, _F32).astype(dtype).astype(_F32))
+    overflow: Literal["inf", "nan", "saturate"] = (
+        "inf" if math.isinf(beyond) else "nan" if math.isnan(beyond) else "saturate")
+    return Format(dtype, int(info.nmant), int(info.minexp), float(info.max), overflow)
+
+
+def _power_of_two(exponent: int) -> np.float32:
+    return np.float32(2.0 ** exponent)
+
+
+def round_nearest(x: Any, dtype: Any) -> jax.Array:
+    """Float32 ``x`` rounded to the nearest value of ``dtype`` (ties to even), as float32:
+    the value ``x.astype(dtype)`` holds, bit for bit, including subnormals, overflow
+    (inf, NaN or the largest value: `Format.overflow`), infs and NaNs.
+
+    >>> import jax.numpy as jnp
+    >>> round_nearest(jnp.array([0.25, 0.75, 7.0, jnp.inf]), jnp.float4_e2m1fn).tolist()
+    [0.0, 1.0, 6.0, 6.0]
+    """
+    fmt = format_of(dtype)
+    x = lax.convert_element_type(x, _F32)
+    # Normal values: the mantissa rounded, float32's exponent range kept (no flushing).
+    rounded = lax.reduce_precision(x, exponent_bits=8, mantissa_bits=fmt.mantissa)
+    if not fmt.f32_range:  # subnormals: multiples of the smallest, rounded as integers
+        k = fmt.mantissa - fmt.min_exponent
+        sub = lax.mul(lax.round(lax.mul(x, _power_of_two(k)), lax.RoundingMethod.TO_NEAREST_EVEN),
+                      _power_of_two(-k))
+        rounded = lax.select(lax.abs(x) < np.float32(fmt.tiny), sub, rounded)
+    return _overflowed(x, rounded, fmt)
+
+
+def _overflowed(x: jax.Array, rounded: jax.Array, fmt: Format) -> jax.Array:
+    """``rounded`` (on ``fmt``'s unbounded grid) with what lies beyond ``fmt.max`` made what
+    a conversion makes of it; NaN inputs give what a conversion gives them."""
+    top = np.float32(fmt.max)
+    beyond = lax.abs(rounded) > top  # false for NaN, which stays NaN
+    if fmt.overflow == "inf":
+        return lax.select(beyond, jnp.copysign(jnp.full_like(rounded, np.inf), x), rounded)
+    if fmt.overflow == "nan":
+        return lax.select(beyond, jnp.full_like(rounded, np.nan), rounded)
+    # Saturating formats have no NaN either: XLA's conversion makes it -0.
+    saturated = lax.clamp(-top, rounded, top)
+    return lax.select(lax.ne(x, x), jnp.full_like(rounded, -0.0), saturated)
+
+
+def _random_fraction_bits(bits: jax.Array, count: int) -> jax.Array:
+    """The top ``count`` of 32 random ``bits``, as the low bits of a uint32."""
+    return lax.shift_right_logical(bits, _U32(32 - count))
+
+
+def round_stochastic(x: Any, dtype: Any, bits: jax.Array) -> jax.Array:
+    """Float32 ``x`` rounded to one of its two neighbours in ``dtype``, as float32: the one
+    above with probability (distance from the one below) / (their distance), so that
+    ``E[round(x)] = x``. ``bits`` are uniform uint32 random bits of ``x``'s shape
+    (`random_bits`).
+
+    In the normal range, the bits below ``dtype``'s mantissa are dropped after adding as
+    many random bits (the carry runs into the exponent where it should): exact. Below
+    `Format.tiny`, the value's fraction of the smallest subnormal is compared with 24
+    random bits. Values beyond the largest finite one, infs and NaNs round as
+    `round_nearest` does; a value below the largest never rounds above it.
+
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> bits = random_bits(jnp.array([1, 2], jnp.uint32), (4000,))
+    >>> draws = round_stochastic(jnp.full(4000, 4.5), jnp.float4_e2m1fn, bits)
+    >>> sorted(set(draws.tolist())), abs(float(draws.mean()) - 4.5) < 0.05   # 4 or 6
+    ([4.0, 6.0], True)
+    """
+    fmt = format_of(dtype)
+    x = lax.convert_element_type(x, _F32)
+    dropped = _MANTISSA_BITS - fmt.mantissa
+    x_bits = lax.bitcast_convert_type(x, _U32)
+    mask = _U32((1 << dropped) - 1)
+    # Adding to the sign-magnitude bits moves the magnitude away from zero.
+    up = lax.bitcast_convert_type(
+        lax.bitwise_and(lax.add(x_bits, _random_fraction_bits(bits, dropped)), ~mask), _F32)
+    magnitude = lax.abs(x)
+    rounded = up
+    if not fmt.f32_range:
+        scaled = lax.mul(magnitude, _power_of_two(fmt.mantissa - fmt.min_exponent))
+        low = lax.floor(scaled)
+        u = lax.mul(lax.convert_element_type(_random_fraction_bits(bits, 24), _F32),
+                    np.float32(2.0 ** -24))
+        sub = lax.mul(lax.add(low, lax.convert_element_type(u < lax.sub(scaled, low), _F32)),
+                      np.float32(fmt.smallest))
+        rounded = lax.select(magnitude < np.float32(fmt.tiny), jnp.copysign(sub, x), up)
+    top = np.float32(fmt.max)
+    within = lax.clamp(-top, rounded, top)
+    return lax.select(magnitude <= top, within, round_nearest(x, dtype))
+
+
+def widen(q: Any) -> jax.Array:
+    """The float32 value of ``q`` (an array of a format narrower than float32), right on
+    every backend: if the compiler removed the conversion that made ``q`` (its input then
+    reaches here unrounded), the rounding is made again. Float32 and wider pass through.
+
+    >>> import jax.numpy as jnp
+    >>> widen(jnp.array([1.5, 448.0], jnp.float8_e4m3fn)).tolist()
+    [1.5, 448.0]
+    """
+    dtype = np.dtype(jnp.result_type(q))
+    if dtype.itemsize >= 4 or not jnp.issubdtype(dtype, jnp.floating):
+        return jnp.asarray(q)
+    return round_nearest(lax.convert_element_type(q, _F32), dtype)
+
+
+def encode(x: Any, dtype: Any, bits: Optional[jax.Array] = None) -> jax.Array:
+    """Float32 ``x`` in ``dtype``: rounded to nearest, or stochastically with random
+    ``bits`` (`round_stochastic`). Read it back with `widen`."""
+    x = lax.convert_element_type(x, _F32)
+    if bits is not None:
+        x = round_stochastic(x, dtype, bits)
+    return lax.convert_element_type(x, np.dtype(dtype))
+
+
+# --- Random bits ---------------------------------------------------------------------------
+
+def _mix(x: jax.Array) -> jax.Array:
+    """A bijection of 32 bits (the "lowbias32" integer hash): nearby inputs give
+    unrelated outputs."""
+    x = lax.bitwise_xor(x, lax.shift_right_logical(x, _U32(16)))
+    x = lax.mul(x, _U32(0x7FEB352D))
+    x = lax.bitwise_xor(x, lax.shift_right_logical(x, _U32(15)))
+    x = lax.mul(x, _U32(0x846CA68B))
+    return lax.bitwise_xor(x, lax.shift_right_logical(x, _U32(16)))
+
+
+def random_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform uint32 bits of ``shape``: each a hash of the element's index (in row-major
+    order) and ``seed``, two uint32 words.
+
+    The two words are hashed into one stream key first (a scalar), so that words
+    drawn from one another still give unrelated streams; for a uniformly random key,
+    ``index * odd + key`` is uniform over 32 bits and `_mix` is a bijection, so each
+    element's bits are exactly uniform. Computed in the kernel that uses them
+    (``jax.random.bits`` is written to memory and read back), and from the global
+    index, so a sharded array gets the bits the whole one would.
+    """
+    seed = lax.convert_element_type(jnp.asarray(seed), _U32)
+    key = _mix(lax.bitwise_xor(seed[0], _mix(lax.add(seed[1], _U32(0x9E3779B9)))))
+    index = lax.iota(_U32, max(1, math.prod(shape)))
+    index = lax.reshape(index, shape) if len(shape) != 1 else index
+    return _mix(_mix(lax.add(lax.mul(index, _U32(0x9E3779B1)), key)))
+
+
+def seed_from_values(x: Any, salt: int) -> jax.Array:
+    """A seed (two uint32 words) drawn from the values of ``x`` and ``salt``: for a rounding
+    with no state to carry a key in, draws that change as the values do, reproducibly.
+    ``salt`` tells apart roundings of the same ``x``."""
+    x_bits = lax.bitcast_convert_type(lax.convert_element_type(x, _F32), _U32)
+    digest = jnp.sum(_mix(x_bits), dtype=_U32)  # wraps: a hash, not a sum
+    salted = _mix(lax.bitwise_xor(digest, _mix(jnp.asarray(salt, _U32))))
+    return jnp.stack([salted, _mix(lax.add(salted, _U32(0x9E3779B9)))])

@@ -1,0 +1,105 @@
+"""The number-format core (jmp_policy.formats): rounding as a conversion rounds, on every backend."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmp_policy import formats
+from excess_precision import with_excess_precision
+
+NARROW = [jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float4_e2m1fn]
+ids = [np.dtype(d).name for d in NARROW]
+
+
+def same_bits(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return (a.view(np.uint32) == b.view(np.uint32)) | (np.isnan(a) & np.isnan(b))
+
+
+def values(dtype, n=200_000, seed=0):
+    """Float32 values across the whole float32 range, around ``dtype``'s range, its
+    grid's midpoints (the ties) and its edges."""
+    rng = np.random.default_rng(seed)
+    fmt = formats.format_of(dtype)
+    anything = rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    e = rng.uniform(fmt.min_exponent - fmt.mantissa - 3, np.log2(fmt.max) + 1.5, size=n)
+    near = (np.where(rng.random(n) < 0.5, -1, 1) * 2.0 ** e).astype(np.float32)
+    grid = np.unique(np.abs(np.asarray(jnp.asarray(near).astype(dtype).astype(jnp.float32))))
+    grid = grid[np.isfinite(grid)].astype(np.float64)
+    ties = ((grid[1:] + grid[:-1]) / 2).astype(np.float32)
+    edges = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, fmt.max, fmt.tiny, fmt.smallest,
+                      fmt.smallest / 2, fmt.smallest * 1.5], np.float32)
+    return np.concatenate([anything, near, ties, -ties, edges, -edges])
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=ids)
+def test_round_nearest_is_the_conversion_bit_for_bit(dtype):
+    """Against ml_dtypes' conversion (the tests run XLA:CPU's older emitters, whose
+    conversion to float4_e2m1fn rounds twice: 0.7499 becomes 1)."""
+    x = values(dtype)
+    with np.errstate(all="ignore"):
+        want = x.astype(np.dtype(dtype)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda v: formats.round_nearest(v, dtype))(x))
+    if formats.format_of(dtype).overflow == "saturate":  # no NaN: ml_dtypes gives +0, XLA -0
+        nan = np.isnan(x)
+        assert (got[nan] == 0).all()
+        want, got = want[~nan], got[~nan]
+    assert same_bits(want, got).all()
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=ids)
+def test_widen_keeps_the_rounding_when_the_compiler_removes_the_round_trip(dtype):
+    """With the conversions moved across a reshape and removed (as XLA:GPU does), the
+    plain round trip is no rounding at all; `widen` still gives the format's values."""
+    x = values(dtype, n=20_000)[:40_000].reshape(200, -1)
+    plain = lambda v: jnp.reshape(v.astype(dtype), (-1,)).astype(jnp.float32)  # noqa: E731
+    robust = lambda v: formats.widen(jnp.reshape(v.astype(dtype), (-1,)))  # noqa: E731
+    want = jax.jit(plain)(x)
+    gpu_like = jax.jit(with_excess_precision(robust))(x)
+    assert same_bits(want, gpu_like).all()
+    # The emulation does remove the plain round trip: the test can tell.
+    assert not same_bits(want, jax.jit(with_excess_precision(plain))(x)).all()
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=ids)
+def test_round_stochastic_is_unbiased_and_on_the_grid(dtype):
+    fmt = formats.format_of(dtype)
+    rng = np.random.default_rng(1)
+    e = rng.uniform(fmt.min_exponent - fmt.mantissa - 2, np.log2(fmt.max), size=500)
+    v = (np.where(rng.random(500) < 0.5, -1, 1) * 2.0 ** e).astype(np.float32)
+    n = 2000
+    draw = lambda s: formats.round_stochastic(  # noqa: E731
+        v, dtype, formats.random_bits(jnp.stack([s, s ^ 0xABCD]), v.shape))
+    draws = np.asarray(jax.jit(jax.vmap(draw))(jnp.arange(n, dtype=jnp.uint32)), np.float64)
+    assert same_bits(formats.round_nearest(draws, dtype), draws).all()  # on the grid
+    low, high = draws.min(0), draws.max(0)
+    assert (high - low <= np.abs(np.asarray(formats.round_nearest(v, dtype)) - v) * 2
+            + np.spacing(np.abs(v).astype(np.float32)) * 2 ** 30).all()  # two neighbours
+    gap = np.where(high > low, high - low, 1.0)
+    z = (draws.mean(0) - v) / gap * np.sqrt(n) / 0.5  # at most 0.5 gaps of deviation per draw
+    assert np.abs(z).max() < 5 and abs(z.mean()) < 5 / np.sqrt(len(v))
+    # Values beyond the largest, infs and NaNs round as to nearest.
+    edge = jnp.array([fmt.max * 4, -np.inf, np.nan], jnp.float32)
+    bits = formats.random_bits(jnp.array([3, 4], jnp.uint32), edge.shape)
+    assert same_bits(formats.round_stochastic(edge, dtype, bits),
+                     formats.round_nearest(edge, dtype)).all()
+
+
+def test_random_bits_are_uniform_and_differ_by_seed():
+    a = np.asarray(formats.random_bits(jnp.array([0, 0], jnp.uint32), (64, 1024)))
+    b = np.asarray(formats.random_bits(jnp.array([1, 0], jnp.uint32), (64, 1024)))
+    assert a.shape == (64, 1024) and (a != b).mean() > 0.99
+    for bit in (0, 15, 31):
+        assert abs(((a >> bit) & 1).mean() - 0.5) < 0.01
+
+
+def test_format_of_refuses_what_is_not_a_narrow_float():
+    with pytest.raises(ValueError, match="narrower than float32"):
+        formats.format_of(jnp.float32)
+    with pytest.raises(ValueError, match="narrower than float32"):
+        formats.format_of(jnp.int8)
+    with pytest.raises(ValueError, match="no mantissa"):
+        formats.format_of(jnp.float8_e8m0fnu)
