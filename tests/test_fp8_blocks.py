@@ -16,6 +16,7 @@ from jax import lax
 from jaxpr_walk import eqns
 
 import jmp_policy
+from jmp_policy import formats
 from jmp_policy import Float8Recipe, autocast
 from jmp_policy.autocast import _blocks, _fp8
 
@@ -126,10 +127,16 @@ def test_nvfp4_values_block_and_tensor_scales_by_hand():
     assert float(half.tensor_scale) == 2.0 and (half.values == q.values).all()
 
 
+def stochastic(y, dtype, seed):
+    """``y`` rounded stochastically as the block quantization rounds it, with the seed words
+    ``(seed, 7)``."""
+    return formats.round_stochastic(y, dtype, formats.random_bits(jnp.stack([seed, 7]), y.shape))
+
+
 def test_e2m1_and_stochastic_rounding_stay_on_the_grid_and_are_unbiased():
     grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
     y = jnp.array([0.1, 0.3, 0.75, 1.3, 2.5, 3.1, 5.0, 5.9, -0.2, -4.5, 6.0, 0.0], F32)
-    draws = jax.jit(jax.vmap(lambda s: _blocks.round_stochastically(y, E2M1, s)))(
+    draws = jax.jit(jax.vmap(lambda s: stochastic(y, E2M1, s)))(
         jnp.arange(20000, dtype=jnp.uint32))
     lower = grid[np.searchsorted(grid, np.abs(y), side="right") - 1]
     upper = grid[np.minimum(np.searchsorted(grid, np.abs(y), side="left"), len(grid) - 1)]
@@ -141,7 +148,7 @@ def test_e2m1_and_stochastic_rounding_stay_on_the_grid_and_are_unbiased():
     np.testing.assert_array_less(np.abs(np.asarray(draws.mean(0)) - y), 5 * stderr + 1e-7 * gap)
     # The same in float8_e5m2, across its subnormals (below 2**-14) and normals.
     z = jnp.array([1.1e-6, 3e-5, 0.3, 300.0, -7000.0], F32)
-    d8 = jax.jit(jax.vmap(lambda s: _blocks.round_stochastically(z, E5M2, s)))(
+    d8 = jax.jit(jax.vmap(lambda s: stochastic(z, E5M2, s)))(
         jnp.arange(20000, 40000, dtype=jnp.uint32))
     assert (d8.astype(E5M2).astype(F32) == d8).all()
     gap = np.asarray(d8.max(0) - d8.min(0))  # the two neighbours drawn

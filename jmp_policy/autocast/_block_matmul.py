@@ -29,6 +29,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import JaxprEqn
 
+from jmp_policy import formats
 from jmp_policy.autocast import _blocks
 from jmp_policy.autocast._fp8 import (
     WEIGHT_GRADIENT, Float8Recipe, group_ids, in_groups, ragged_dims)
@@ -81,7 +82,7 @@ def _tensor_scaled(out: jax.Array, scaling: str, sa: jax.Array, sb: jax.Array) -
 
 
 def _seeds(recipe: Float8Recipe, g: Any, salt: int) -> tuple[Optional[jax.Array], None]:
-    return (_blocks.noise_seed(g, salt) if recipe.stochastic_rounding else None), None
+    return (formats.seed_from_values(g, salt) if recipe.stochastic_rounding else None), None
 
 
 def block_product(eqn: JaxprEqn, recipe: Float8Recipe, formats: tuple[DType, DType],

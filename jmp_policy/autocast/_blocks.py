@@ -15,7 +15,10 @@ The quantization is written to give, bit for bit, the operands and scales that
 block-scaled GEMM that Blackwell GPUs run). A product is then either that
 GEMM (``jax.nn.scaled_matmul``) or its exact emulation: the operands
 dequantized to float32 (exact: a value times its block scale has at most 8
-significant bits) and multiplied in float32.
+significant bits) and multiplied in float32. Values are read back from their
+formats with ``formats.widen``, so that the emulation rounds on every backend
+(XLA:GPU removes a plain float round trip); stochastic rounding is
+``formats.round_stochastic``.
 
 >>> import jax.numpy as jnp
 >>> x = jnp.array([[0.0, 1.0, 3.0, 448.0] + [0.0] * 28])
@@ -28,13 +31,14 @@ significant bits) and multiplied in float32.
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jmp_policy import formats
 
 BLOCK_SCALINGS = ("mxfp8", "nvfp4")
 BLOCK_SIZES = {"mxfp8": 32, "nvfp4": 16}
@@ -48,7 +52,6 @@ SCALE_DTYPES = {"mxfp8": E8M0, "nvfp4": E4M3}
 
 _F32 = np.dtype(np.float32)
 _U32 = np.uint32
-_I32 = np.int32
 
 
 def _max(dtype: Any) -> np.float32:
@@ -90,7 +93,7 @@ class Blocks(NamedTuple):
         """``values * scales`` in float32, without the tensor scale: exact."""
         block = self.values.shape[-1] // self.scales.shape[-1]
         scales = jnp.repeat(self.scales, block, axis=-1, total_repeat_length=self.values.shape[-1])
-        return lax.mul(lax.convert_element_type(self.values, _F32), scales)
+        return lax.mul(formats.widen(self.values), scales)
 
 
 def mx_scale(amax: jax.Array, dtype: Any) -> jax.Array:
@@ -121,7 +124,7 @@ def nv_scale(amax: jax.Array) -> jax.Array:
     """NVFP4's block scale for blocks (already divided by the tensor scale) whose absolute
     maxima are ``amax``: ``amax / 6`` rounded to the nearest ``float8_e4m3fn``, as float32."""
     s = jnp.clip(lax.div(lax.convert_element_type(amax, _F32), _max(E2M1)), 0, _max(E4M3))
-    return lax.convert_element_type(lax.convert_element_type(s, E4M3), _F32)
+    return formats.widen(lax.convert_element_type(s, E4M3))
 
 
 def nv_tensor_scale(x: Any) -> jax.Array:
@@ -138,78 +141,17 @@ def block_scale(amax: jax.Array, scaling: str, dtype: Any) -> jax.Array:
 
 def to_format(y: jax.Array, dtype: Any, seed: Optional[jax.Array] = None) -> jax.Array:
     """Float32 ``y``, already scaled into ``dtype``'s range, clipped to it and converted:
-    rounded to nearest even, or stochastically with ``seed`` (see `round_stochastically`).
+    rounded to nearest even, or stochastically with ``seed`` (two uint32 words, see
+    ``formats.random_bits``).
 
     ``float4_e2m1fn`` has neither inf nor NaN: XLA's conversion to it saturates, which
     is the clip, so the conversion itself sees (and the numerics inspector counts) the
     values beyond it."""
     if seed is not None:
-        y = round_stochastically(y, dtype, seed)
-    elif np.dtype(dtype) != E2M1:
+        return formats.encode(y, dtype, formats.random_bits(seed, jnp.shape(y)))
+    if np.dtype(dtype) != E2M1:
         y = jnp.clip(y, -_max(dtype), _max(dtype))
     return lax.convert_element_type(y, np.dtype(dtype))
-
-
-def round_stochastically(y: jax.Array, dtype: Any, seed: jax.Array) -> jax.Array:
-    """Float32 ``y`` (within ``dtype``'s finite range) rounded to one of its two neighbours
-    in ``dtype``, the upper one with probability equal to the distance from the lower
-    one over the gap: unbiased, ``E[round(y)] = y``. Returned in float32, on ``dtype``'s
-    grid. ``seed`` (a uint32 scalar) draws the random bits (`random_bits`).
-
-    The probability is compared against 24 random bits, finer than the float32
-    distance (``dtype`` has fewer mantissa bits than float32 by more than
-    that), so the rounding is exactly unbiased. Inf and NaN stay as they are.
-
-    >>> import jax, jax.numpy as jnp, numpy as np
-    >>> seeds = jnp.arange(4000, dtype=np.uint32)
-    >>> draws = jax.vmap(lambda s: round_stochastically(jnp.array(4.5), jnp.float4_e2m1fn, s))(seeds)
-    >>> sorted(set(draws.tolist())), abs(float(draws.mean()) - 4.5) < 0.05   # 4 or 6
-    ([4.0, 6.0], True)
-    """
-    info = jnp.finfo(dtype)  # type: ignore[no-untyped-call]
-    mag = jnp.abs(y)
-    exponent = lax.convert_element_type(
-        lax.shift_right_logical(lax.bitcast_convert_type(mag, _U32), _U32(23)), _I32) - 127
-    # The grid's spacing at |y|: 2**(e - mantissa bits), the subnormal spacing below
-    # the smallest normal exponent. A power of two: the arithmetic below is exact.
-    e = jnp.clip(exponent, info.minexp, info.maxexp) - info.nmant
-    gap = lax.bitcast_convert_type(lax.shift_left(e + 127, _I32(23)), _F32)
-    low = jnp.floor(mag / gap) * gap
-    fraction = (mag - low) / gap
-    bits = lax.shift_right_logical(random_bits(seed, jnp.shape(y)), _U32(8))
-    u = lax.mul(lax.convert_element_type(bits, _F32), np.float32(2.0 ** -24))
-    rounded = jnp.minimum(low + jnp.where(u < fraction, gap, np.float32(0)), _max(dtype))
-    return jnp.where(jnp.isfinite(y), jnp.copysign(rounded, y), y)
-
-
-def _mix(x: jax.Array) -> jax.Array:
-    """A bijective mixing of 32 bits (the "lowbias32" integer hash): nearby inputs give
-    unrelated outputs."""
-    x = x ^ lax.shift_right_logical(x, _U32(16))
-    x = x * _U32(0x7FEB352D)
-    x = x ^ lax.shift_right_logical(x, _U32(15))
-    x = x * _U32(0x846CA68B)
-    return x ^ lax.shift_right_logical(x, _U32(16))
-
-
-def random_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Uniform uint32 bits of ``shape``, a hash of each element's index and ``seed``.
-
-    Not a cryptographic generator (``jax.random``'s threefry compiles to many
-    times the operations): stochastic rounding only needs bits that do not
-    depend on the values rounded, and differ from draw to draw.
-    """
-    index = jnp.reshape(lax.iota(_U32, max(1, math.prod(shape))), shape)
-    return _mix(_mix(index ^ _mix(lax.convert_element_type(seed, _U32))) + _U32(0x9E3779B9))
-
-
-def noise_seed(x: Any, salt: int) -> jax.Array:
-    """A uint32 seed drawn from the values of ``x`` (and ``salt``, which tells apart the
-    operands quantized from the same ``x``): no state to carry, and draws that change
-    as the values do from step to step, reproducibly."""
-    bits = lax.bitcast_convert_type(lax.convert_element_type(x, _F32), _U32)
-    digest = jnp.sum(_mix(bits), dtype=_U32)  # wraps: a hash, not a sum
-    return _mix(digest ^ _mix(jnp.asarray(salt, _U32)))
 
 
 def quantize_blocks(x: Any, scaling: str, dtype: Any, *, seed: Optional[jax.Array] = None,
@@ -332,4 +274,4 @@ def dequantized_in_groups(x: Any, ids: jax.Array, sizes: jax.Array, scaling: str
     scale = _marked(block_scale(amax, scaling, dtype), BLOCK_SCALES)
     rows = jnp.take(scale, blocks, axis=0, mode="fill", fill_value=1)
     q = to_format(lax.div(x, _nonzero(rows)), dtype, seed)
-    return lax.mul(lax.convert_element_type(q, _F32), rows), tensor_scale
+    return lax.mul(formats.widen(q), rows), tensor_scale

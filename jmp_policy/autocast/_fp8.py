@@ -42,6 +42,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import JaxprEqn
 
+from jmp_policy import formats
 from jmp_policy._dtypes import is_floating_dtype
 from jmp_policy.autocast import _blocks
 from jmp_policy.autocast._bits import INF_BITS, below, magnitude_bits, positive
@@ -479,7 +480,7 @@ def quantize(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int], 
     flush to zero only when they are that far below the maximum. A row
     (tensor) holding inf or NaN gets an inf or NaN scale and NaN values, so
     every product it enters is NaN, never finite. With a random ``seed`` (a uint32), values
-    are rounded stochastically (``_blocks.round_stochastically``), else to nearest.
+    are rounded stochastically (``formats.round_stochastic``), else to nearest.
 
     >>> import jax.numpy as jnp
     >>> q, scale = quantize(jnp.array([3e-5, 1e-4]), jnp.float8_e4m3fn, "tensorwise", (0,))
@@ -488,11 +489,16 @@ def quantize(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int], 
     """
     inv = inverse_scale(x, dtype, scaling, contracting_axes, power_of_two)
     scaled = lax.mul(lax.convert_element_type(x, _F32), inv)
-    if seed is not None:
-        scaled = _blocks.round_stochastically(scaled, dtype, seed)
     # No clamp needed: |x| * inv <= max * (1 + 2^-24)^2, which rounds to the format's max.
-    q = lax.convert_element_type(scaled, np.dtype(dtype))
+    q = _encoded(scaled, dtype, seed)
     return q, lax.div(np.float32(1), inv)
+
+
+def _encoded(scaled: jax.Array, dtype: Any, seed: Optional[jax.Array]) -> jax.Array:
+    """Float32 ``scaled`` in ``dtype``: stochastically rounded with ``seed`` (two uint32
+    words), or to nearest."""
+    bits = None if seed is None else formats.random_bits(seed, jnp.shape(scaled))
+    return formats.encode(scaled, dtype, bits)
 
 
 def group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
@@ -552,9 +558,7 @@ def quantize_groups(x: Any, dtype: Any, ids: jax.Array, num_groups: int, *,
     inv = _factor(amax, dtype, power_of_two)
     rows = jnp.take(inv, ids, axis=0, mode="fill", fill_value=0)
     scaled = lax.mul(lax.convert_element_type(x, _F32), rows)
-    if seed is not None:  # rounded stochastically, as in `quantize`
-        scaled = _blocks.round_stochastically(scaled, dtype, seed)
-    q = lax.convert_element_type(scaled, np.dtype(dtype))
+    q = _encoded(scaled, dtype, seed)  # rounded as in `quantize`
     return q, lax.div(np.float32(1), inv)
 
 

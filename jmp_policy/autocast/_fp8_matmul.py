@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import JaxprEqn
 
+from jmp_policy import formats
 from jmp_policy.autocast import _blocks
 from jmp_policy.autocast._block_matmul import block_product, block_ragged_product
 from jmp_policy.autocast._fp8 import (
@@ -84,7 +85,7 @@ def float8_matmul(recipe: Float8Recipe) -> MatmulRule:
 def _gradient_seed(recipe: Float8Recipe, g: Any, salt: int) -> Any:
     """The random seed rounding the incoming gradient ``g`` stochastically, if the recipe
     does; ``salt`` tells apart the two backward products' quantizations of ``g``."""
-    return _blocks.noise_seed(g, salt) if recipe.stochastic_rounding else None
+    return formats.seed_from_values(g, salt) if recipe.stochastic_rounding else None
 
 
 # --- Where each operand axis goes ------------------------------------------------------

@@ -51,6 +51,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 
+from jmp_policy import formats
 from jmp_policy._dtypes import is_floating_dtype
 from jmp_policy.autocast._bits import (
     I32, INF_BITS, below, finite_mask, magnitude_bits, positive, where_bits)
@@ -244,7 +245,8 @@ def _square_fields(values: tuple[Any, Any], b: dict[str, jax.Array],
     """The squared errors and float32 values, over the elements finite in both, times
     ``2**(2 * k)`` for each ``k`` of ``scales``: values beyond 1e19 overflow the
     unscaled squares, values below 1e-19 underflow them."""
-    r, x = (lax.convert_element_type(y, np.float32) for y in values)
+    # The narrow values rounded on every backend (XLA:GPU removes a plain round trip).
+    r, x = (lax.convert_element_type(formats.widen(y), np.float32) for y in values)
     both = b["low_finite"] & b["ref_finite"]
     d, rr = where_bits(both, lax.sub(x, r)), where_bits(both, r)
     fields = {}
@@ -617,9 +619,11 @@ def _floating_aval(v: Any) -> bool:
 _SCALE_SCOPES = frozenset({_blocks.BLOCK_SCALES, _blocks.TENSOR_SCALES})
 
 # What a block-scaled product's emulation does to an operand between its cast back from
-# float8 (float4) and the product: a scale, a layout.
-_DEQUANTIZING = frozenset({"mul", "reshape", "transpose", "slice", "squeeze", "expand_dims",
-                           "broadcast_in_dim", "pad", "copy", "copy_p"})
+# float8 (float4) and the product: the rounding made again (``formats.widen``), a scale,
+# a layout.
+_DEQUANTIZING = frozenset({"reduce_precision", "round", "select_n", "clamp", "mul", "reshape",
+                           "transpose", "slice", "squeeze", "expand_dims", "broadcast_in_dim",
+                           "pad", "copy", "copy_p"})
 
 
 def _is_float8(dtype: Any) -> bool:
@@ -669,6 +673,8 @@ def _float32_bind(eqn: JaxprEqn, refs: list[Any]) -> list[Any]:
     name = eqn.primitive.name
     if name in _TRACED:
         return _at_traced_dtypes(eqn, refs)
+    # On the inputs the program gave it, widened: the operation itself in float32.
+    refs = [widened(r) for r in refs]
     if name == "reduce_precision":
         return [refs[0]]
     params = dict(eqn.params)

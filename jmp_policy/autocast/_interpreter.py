@@ -44,9 +44,9 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Va
 
 from jmp_policy._dtypes import is_floating_dtype
 from jmp_policy.autocast._lattice import (
-    F32, DType, convert, dtype_of, is_floating, join, retyped, widest)
+    F32, DType, convert, dtype_of, is_floating, join, represents, retyped, widest)
 from jmp_policy.autocast._rules import (
-    INDEPENDENT, TRACED_DTYPES, AutocastWarning, Rules)
+    FLOAT32_PRIMITIVES, INDEPENDENT, TRACED_DTYPES, AutocastWarning, Rules)
 
 Handler = Callable[["Context", JaxprEqn, list[Any]], Any]
 """Evaluates one equation under autocast: ``(ctx, eqn, invals) -> outputs``.
@@ -156,6 +156,9 @@ class Context:
     observe_jaxpr: Optional[Callable[[], ContextManager[None]]] = None
     scope: str = ""
     pinned: bool = False
+    # Ids of the casts of the evaluated jaxpr that round a float32 result back to the
+    # half precision JAX widened it from (see `jax_roundings`).
+    _jax_roundings: frozenset[int] = frozenset()
     _state: _TraceState = dataclasses.field(default_factory=_TraceState, repr=False)
     _casts: _Casts = dataclasses.field(default_factory=_Casts, repr=False)
 
@@ -196,7 +199,7 @@ def eval_jaxpr(ctx: Context, jaxpr: Jaxpr, consts: Sequence[Any],
 
     Returns the outputs as a list, at the dtypes autocast gave them.
     """
-    level = dataclasses.replace(ctx, _casts=_Casts())
+    level = dataclasses.replace(ctx, _casts=_Casts(), _jax_roundings=jax_roundings(jaxpr))
     env: dict[Var, Any] = {**dict(zip(jaxpr.constvars, consts)), **dict(zip(jaxpr.invars, args))}
 
     def read(v: Any) -> Any:
@@ -271,7 +274,60 @@ def _convert(ctx: Context, eqn: JaxprEqn, x: Any) -> Any:
     new = eqn.params["new_dtype"]
     if not is_floating_dtype(new):
         return bind(eqn, [x])
+    if id(eqn) in ctx._jax_roundings and represents(dtype_of(x), F32):
+        return x  # a float32 result stays float32 (see `jax_roundings`)
     return ctx.cast(x, np.dtype(new))
+
+
+def jax_roundings(jaxpr: Jaxpr, depth: int = 8) -> frozenset[int]:
+    """The ids of ``jaxpr``'s casts that JAX itself writes to round a float32 result back
+    to half precision.
+
+    ``jnp.sum``, ``jnp.mean``, ``jnp.var`` and the like compute half-precision
+    inputs in float32 and round the result back: ``convert(x, float32)``, then
+    float32 work ending in a numerically sensitive primitive, then
+    ``convert(result, x.dtype)``. Under autocast that result stays float32, as the
+    result of a sensitive primitive does (it is narrowed where it feeds matrix
+    work): rounding it back would overflow float16 where float32 does not, and
+    XLA:GPU removes the round trip anyway, so CPUs and GPUs would compute
+    different things. A cast is taken for JAX's when its input comes from a
+    sensitive primitive and, at most ``depth`` float32 equations up, from a cast
+    of the same half-precision dtype to float32; the same pattern written by
+    hand (``jnp.sum(x.astype(jnp.float32)).astype(jnp.float16)``) is taken so too.
+    """
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != "convert_element_type" or isinstance(eqn.invars[0], Literal):
+            continue
+        source, new = eqn.invars[0], eqn.params["new_dtype"]
+        if np.dtype(source.aval.dtype) != F32 or not is_floating_dtype(new) \
+                or represents(np.dtype(new), F32):
+            continue
+        start = producer.get(source)
+        if start is not None and start.primitive.name in FLOAT32_PRIMITIVES \
+                and _widened_from(start, np.dtype(new), producer, depth):
+            found.add(id(eqn))
+    return frozenset(found)
+
+
+def _widened_from(eqn: JaxprEqn, narrow: DType, producer: dict[Any, JaxprEqn],
+                  depth: int) -> bool:
+    """Whether float32 operands of ``eqn`` come, at most ``depth`` float32 equations up,
+    from a cast of a ``narrow`` value to float32."""
+    frontier, seen = [eqn], set()
+    for _ in range(depth):
+        operands = [v for e in frontier for v in e.invars
+                    if isinstance(v, Var) and np.dtype(v.aval.dtype) == F32 and v not in seen]
+        seen.update(operands)
+        frontier = [producer[v] for v in operands if v in producer]
+        for e in frontier:
+            if e.primitive.name == "convert_element_type" and \
+                    np.dtype(e.invars[0].aval.dtype) == narrow:
+                return True
+        if not frontier:
+            return False
+    return False
 
 
 def _at_traced_dtypes(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
