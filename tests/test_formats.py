@@ -57,9 +57,13 @@ def test_widen_keeps_the_rounding_when_the_compiler_removes_the_round_trip(dtype
     x = values(dtype, n=20_000)[:40_000].reshape(200, -1)
     plain = lambda v: jnp.reshape(v.astype(dtype), (-1,)).astype(jnp.float32)  # noqa: E731
     robust = lambda v: formats.widen(jnp.reshape(v.astype(dtype), (-1,)))  # noqa: E731
-    want = jax.jit(plain)(x)
-    gpu_like = jax.jit(with_excess_precision(robust))(x)
-    assert same_bits(want, gpu_like).all()
+    # ml_dtypes' conversion: XLA:CPU's to float4 rounds twice; NaN aside (float4 has
+    # none: ml_dtypes makes it +0, XLA -0).
+    with np.errstate(all="ignore"):
+        want = x.astype(np.dtype(dtype)).astype(np.float32).reshape(-1)
+    number = ~np.isnan(x.reshape(-1))
+    gpu_like = np.asarray(jax.jit(with_excess_precision(robust))(x))
+    assert same_bits(want[number], gpu_like[number]).all()
     # The emulation does remove the plain round trip: the test can tell.
     assert not same_bits(want, jax.jit(with_excess_precision(plain))(x)).all()
 
