@@ -505,3 +505,49 @@ def test_what_autocast_computes_in_float32_is_not_reported():
     exact = jax.grad(f)(w, x)
     assert np.isfinite(np.asarray(grads)).all()  # scaled, held in float16: none overflows
     np.testing.assert_allclose(np.asarray(grads) / scale, exact, rtol=2e-2)
+
+
+# --- Operations that run in half precision themselves ------------------------------------
+
+def _half_arithmetic(x):
+    with jax.named_scope("boom"):
+        y = x * 32768.0                 # float16 arithmetic on float16 inputs
+    return jnp.mean(jnp.sum(y, axis=-1)) * 1e-6
+
+
+def test_half_precision_arithmetic_is_compared_with_float32():
+    """A float16 ``mul`` that overflows is reported where it overflows (counted by hand),
+    ``suggest_rules`` pins its scope, and the pinned function is finite; a float16 ``tanh``
+    shows its rounding error. Before, each was compared with itself in float16: no
+    overflow, no error."""
+    x = jax.random.uniform(jax.random.key(0), (32, 64), minval=1, maxval=3).astype(jnp.float16)
+    with np.errstate(over="ignore"):
+        planted = int(np.isinf((np.asarray(x, np.float32) * 32768.0).astype(np.float16)).sum())
+    assert planted > 500
+    assert not np.isfinite(jmp_policy.autocast(_half_arithmetic, "mixed_float16")(x))
+    report = jmp_policy.inspect_numerics(_half_arithmetic, "mixed_float16")(x)
+    (row,) = [r for r in report if r.overflow]
+    assert (row.scope, row.primitive, row.dtype, row.overflow) == ("boom", "mul", "float16",
+                                                                   planted)
+    rules = report.suggest_rules()
+    assert rules["float32_scopes"] == ["boom"]
+    assert np.isfinite(jmp_policy.autocast(_half_arithmetic, "mixed_float16", rules=rules)(x))
+
+    tanh = jmp_policy.inspect_numerics(lambda x: jnp.tanh(x * 0.7), "mixed_float16")(x)
+    (row,) = [r for r in tanh if r.primitive == "tanh"]
+    h = (np.asarray(x, np.float32) * np.float32(np.float16(0.7))).astype(np.float16)
+    want = np.tanh(h.astype(np.float32))  # tanh's input is the float16 product
+    got = want.astype(np.float16).astype(np.float32)
+    hand = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert row.dtype == "float16" and row.rel_error == pytest.approx(hand, rel=0.05)
+    assert row.rel_error > 1e-5
+
+
+def test_a_float32_reduction_of_half_values_stays_float32():
+    """jnp.sum of float16 values computes in float32 and casts back; autocast keeps the
+    float32 result (SPEC 5), so the sum does not overflow float16 and no row reports it."""
+    x = jnp.full((4, 1024), 100.0, jnp.float16)  # row sums 102400 > 65504
+    f = lambda x: jnp.mean(jnp.sum(x, axis=-1))  # noqa: E731
+    assert float(jmp_policy.autocast(f, "mixed_float16")(x)) == 102400.0
+    assert not np.isfinite(float(f(x)))  # without autocast, JAX's cast back overflows
+    assert not any(r.overflow for r in jmp_policy.inspect_numerics(f, "mixed_float16")(x))
