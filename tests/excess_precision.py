@@ -47,6 +47,7 @@ native float8 and bfloat16 GEMMs).
 
 from __future__ import annotations
 
+import types
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -200,3 +201,28 @@ def _rewritten(params: dict[str, Any]) -> dict[str, Any]:
             return tuple(rewrite(v) for v in value)
         return value
     return {k: rewrite(v) for k, v in params.items()}
+
+
+# The same for the tests' compilers: XLA:CPU's, and XLA:GPU's as emulated here.
+COMPILERS = {"jit": jax.jit,
+             "jit, excess precision as on a GPU": lambda f: jax.jit(with_excess_precision(f))}
+
+
+class _JaxCompilingAsOnAGpu(types.ModuleType):
+    """The ``jax`` module, its ``jit`` compiling with the emulation."""
+
+    def __init__(self) -> None:
+        super().__init__("jax")
+
+    def __getattr__(self, name: str) -> Any:
+        return COMPILERS["jit, excess precision as on a GPU"] if name == "jit" \
+            else getattr(jax, name)
+
+
+def inspect_as_on_a_gpu(monkeypatch: Any) -> None:
+    """Makes `jmp_policy.inspect_numerics` compile its programs with the emulation (until
+    ``monkeypatch`` undoes it), so that its statistics are those of the program XLA:GPU
+    runs: the inspector jits its program itself (jmp_policy/inspector.py), and the
+    ``jax`` it reads ``jit`` from is replaced."""
+    import jmp_policy.inspector
+    monkeypatch.setattr(jmp_policy.inspector, "jax", _JaxCompilingAsOnAGpu())

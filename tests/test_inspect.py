@@ -20,6 +20,7 @@ import pytest
 from jax import lax
 
 import jmp_policy
+from excess_precision import COMPILERS, inspect_as_on_a_gpu
 
 F16_MAX = float(np.finfo(np.float16).max)
 B, D, H, O, F = 32, 4, 8, 3, 5
@@ -56,6 +57,28 @@ def report():
     return jmp_policy.inspect_numerics(loss_fn, "mixed_float16", argnums=0)(PARAMS, X, T)
 
 
+# The numerics tests run the inspector's program as XLA:CPU compiles it, and as XLA:GPU
+# does (tests/excess_precision.py): its counts must be those of what each computes.
+@pytest.fixture(params=list(COMPILERS))
+def compiler(request, monkeypatch):
+    if request.param != "jit":
+        inspect_as_on_a_gpu(monkeypatch)
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def gpu_report():
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        inspect_as_on_a_gpu(monkeypatch)
+        return jmp_policy.inspect_numerics(loss_fn, "mixed_float16", argnums=0)(PARAMS, X, T)
+
+
+@pytest.fixture
+def compiled_report(request, compiler):
+    """The main model's report as ``compiler`` computes it."""
+    return request.getfixturevalue("report" if compiler == "jit" else "gpu_report")
+
+
 def _keys(rows):
     return [(r.scope, r.phase, r.primitive) for r in rows]
 
@@ -70,19 +93,19 @@ OVERFLOWS = [("boom", "forward", "convert_element_type")]
 UNDERFLOWS = [("dense2", "backward", "convert_element_type")]
 
 
-def test_worst_rows_are_the_planted_overflow_and_underflow(report):
-    assert _keys(report.worst(2)) == OVERFLOWS + UNDERFLOWS
-    assert _keys(r for r in report if r.overflow) == OVERFLOWS
-    assert _keys(r for r in report if r.underflow) == UNDERFLOWS
-    assert report.worst(3)[2].overflow == 0 and report.worst(3)[2].underflow == 0
+def test_worst_rows_are_the_planted_overflow_and_underflow(compiled_report):
+    assert _keys(compiled_report.worst(2)) == OVERFLOWS + UNDERFLOWS
+    assert _keys(r for r in compiled_report if r.overflow) == OVERFLOWS
+    assert _keys(r for r in compiled_report if r.underflow) == UNDERFLOWS
+    assert compiled_report.worst(3)[2].overflow == 0 and compiled_report.worst(3)[2].underflow == 0
 
 
-def test_overflow_count_is_the_hand_count(report):
-    (cast,) = [r for r in report if r.overflow]
+def test_overflow_count_is_the_hand_count(compiled_report):
+    (cast,) = [r for r in compiled_report if r.overflow]
     assert cast.overflow == (np.abs(X * 1000.0) > F16_MAX).sum() == 2  # the two values
     assert cast.dtype == "float16" and cast.size == B * D
     # The product receives the two infs: its own result loses nothing more.
-    (product,) = [r for r in report if _keys([r]) == [("boom", "forward", "dot_general")]]
+    (product,) = [r for r in compiled_report if _keys([r]) == [("boom", "forward", "dot_general")]]
     assert product.overflow == 0 and product.size == B * F
     # The largest finite result: the rows without an inf operand.
     finite = ~(np.abs(X * 1000.0) > F16_MAX).any(axis=1)
@@ -99,30 +122,30 @@ def _autocast_grads():
     return jax.grad(lambda p: loss_fn(p, X, T, apply=mixed))(PARAMS)
 
 
-def test_underflow_is_the_hand_computation_and_what_autocast_computes(report):
+def test_underflow_is_the_hand_computation_and_what_autocast_computes(compiled_report):
     h = np.tanh(X @ PARAMS["w1"])
     y = h @ PARAMS["w2"]
     g = LOSS_FACTOR * 2 * (y - T) / y.size          # d loss / d y, below float16's range
     assert (_half(g) == 0).all() and (g != 0).all()
-    (cast,) = [r for r in report if r.underflow]
+    (cast,) = [r for r in compiled_report if r.underflow]
     assert (cast.size, cast.underflow, cast.rel_error, cast.max_abs) == (g.size, 1.0, 1.0, 0.0)
     np.testing.assert_allclose(cast.float32_max, np.abs(g).max(), rtol=1e-2)
     # Downstream, autocast's backward pass computes zeros from zeros, as jax.grad says.
-    backward = [r for r in report if r.phase == "backward" and r is not cast]
+    backward = [r for r in compiled_report if r.phase == "backward" and r is not cast]
     assert backward and all(r.max_abs == 0.0 and r.underflow == 0.0 for r in backward)
     assert all((np.asarray(v) == 0).all() for v in jax.tree.leaves(_autocast_grads()))
 
 
-def test_an_overflow_is_counted_where_it_happens_not_downstream(report):
+def test_an_overflow_is_counted_where_it_happens_not_downstream(compiled_report):
     # The inf reaches the product after the cast, and the mean and the loss (in
     # float32: no rows); the product has no overflow of its own.
-    downstream = [r for r in report if _keys([r]) != OVERFLOWS and r.phase == "forward"]
+    downstream = [r for r in compiled_report if _keys([r]) != OVERFLOWS and r.phase == "forward"]
     assert [r.scope for r in downstream if r.scope == "boom"] == ["boom"]
     assert downstream and all(r.overflow == 0 for r in downstream)
 
 
-def test_autocast_of_the_model_overflows_and_the_suggested_rules_fix_it(report):
-    rules = report.suggest_rules()
+def test_autocast_of_the_model_overflows_and_the_suggested_rules_fix_it(compiled_report):
+    rules = compiled_report.suggest_rules()
     assert rules == {"float32_scopes": ["boom"]}
     _, broken = jmp_policy.autocast(model, "mixed_float16")(PARAMS, X)
     assert not np.isfinite(broken)
@@ -171,10 +194,10 @@ def test_training_with_the_suggested_loss_scale_reaches_float32s_loss(report):
     assert scaled == pytest.approx(float32, rel=0.02)
 
 
-def test_the_loss_scale_brings_the_gradients_into_float16s_normal_range(report):
+def test_the_loss_scale_brings_the_gradients_into_float16s_normal_range(compiled_report):
     # Float32 gradient values of the backward pass, by hand: every intermediate of
     # dense2's and dense1's backward products and the cotangents before them.
-    scale = report.suggest_loss_scale()
+    scale = compiled_report.suggest_loss_scale()
     h = np.tanh(X @ PARAMS["w1"])
     y = h @ PARAMS["w2"]
     g = LOSS_FACTOR * 2 * (y - T) / y.size
@@ -297,7 +320,7 @@ def test_each_call_reads_closures_afresh():
     assert not any(r.overflow for r in inspect(PARAMS, X, T))
 
 
-def test_loops_branches_and_remat():
+def test_loops_branches_and_remat(compiler):
     # A scan whose iterations 1 and 3 multiply by 1e5 (float16 operands overflow there
     # only), a while_loop, a cond and a checkpoint, differentiated.
     scales = jnp.array([1.0, 1e5, 1.0, 1e5, 1.0])
@@ -387,7 +410,7 @@ def test_the_example_transformer_lm_shows_its_module_paths():
 
 # --- Float8 ---------------------------------------------------------------------------------
 
-def test_float8_products_count_flushed_operands_forward_and_backward():
+def test_float8_products_count_flushed_operands_forward_and_backward(compiler):
     # Tensorwise scaling maps the absolute maximum, 448, onto float8_e4m3fn's largest
     # value (a scale of exactly 1): values below half its smallest subnormal (2**-10)
     # flush to zero. Four such values in x; none in w.
@@ -428,7 +451,7 @@ def test_suggest_loss_scale_needs_the_backward_pass():
         report.suggest_loss_scale()
 
 
-def test_suggest_rules_keeps_the_given_rules(report):
+def test_suggest_rules_keeps_the_given_rules(compiler):
     rules = {"float32": ["tanh"], "float32_scopes": ["dense1"]}
     again = jmp_policy.inspect_numerics(loss_fn, "mixed_float16", rules=rules)(PARAMS, X, T)
     assert again.suggest_rules() == {"float32": ["tanh"], "float32_scopes": ["dense1", "boom"]}
@@ -470,7 +493,7 @@ def test_inspecting_under_a_trace_is_refused():
 
 # --- What autocast's program has, and only that --------------------------------------------
 
-def test_a_backward_overflow_of_autocast_is_reported():
+def test_a_backward_overflow_of_autocast_is_reported(compiler):
     # The weight gradient sums 100000 products into float16: inf in autocast's program.
     def f(w, x):
         with jax.named_scope("sum"):
@@ -486,7 +509,7 @@ def test_a_backward_overflow_of_autocast_is_reported():
     assert row.overflow == 4 and row.float32_max == pytest.approx(1e5)
 
 
-def test_what_autocast_computes_in_float32_is_not_reported():
+def test_what_autocast_computes_in_float32_is_not_reported(compiler):
     # A sum of squares beyond float16's range, and an RMS statistic of tiny values:
     # autocast computes both in float32, so neither overflows nor caps the loss scale.
     def f(w, x):
@@ -515,7 +538,7 @@ def _half_arithmetic(x):
     return jnp.mean(jnp.sum(y, axis=-1)) * 1e-6
 
 
-def test_half_precision_arithmetic_is_compared_with_float32():
+def test_half_precision_arithmetic_is_compared_with_float32(compiler):
     """A float16 ``mul`` that overflows is reported where it overflows (counted by hand),
     ``suggest_rules`` pins its scope, and the pinned function is finite; a float16 ``tanh``
     shows its rounding error. Before, each was compared with itself in float16: no
