@@ -43,10 +43,9 @@ import os
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
-from typing import Any, Dict, Iterator, List, Optional, Tuple  # noqa: E402
+from typing import Any, Dict, List, Optional, Tuple  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -56,23 +55,6 @@ import harness  # noqa: E402
 import jmp_policy  # noqa: E402
 from bench_low_precision import RECIPES, transformer_shapes  # noqa: E402
 
-# An H100 SXM as XLA:GPU's target description (GpuTargetConfigProto, text format).
-H100 = """
-gpu_device_info {
-  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
-  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
-  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
-  clock_rate_ghz: 1.98 device_memory_size: 84929347584 shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536
-  registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 7 }
-runtime_version { major: 12 minor: 8 patch: 0 }
-device_description_str: "NVIDIA H100 80GB HBM3"
-"""
-
 COLUMNS = [
     harness.Column("temp_per_leaf", "temporaries (largest f32 leaves)", "x", ratio=False),
     harness.Column("temp_bytes", "temporaries", "bytes", ratio=False),
@@ -80,35 +62,6 @@ COLUMNS = [
     harness.Column("fusions", "kernels (fusions)", "count"),
     harness.Column("kernel_bytes", "bytes read + written (kernels)", "bytes"),
 ]
-
-
-def target() -> Tuple[Any, str]:
-    """A sharding on the local GPU, or on a deviceless H100; and what it is."""
-    if jax.default_backend() == "gpu":
-        device = jax.devices()[0]
-        return jax.sharding.SingleDeviceSharding(device), device.device_kind
-    from jax.experimental import topologies
-    topology = topologies.get_topology_desc(platform="cuda", target_config=H100,
-                                            topology="1x1x1")
-    mesh = topologies.make_mesh(topology, (1,), ("x",))
-    kind = "NVIDIA H100 80GB HBM3 (deviceless compile: no GPU on this machine)"
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), kind
-
-
-@contextlib.contextmanager
-def callbacks_on_device() -> Iterator[None]:
-    """``jax.pure_callback`` returning zeros of its result type, on the device:
-    JAX's deviceless compile cannot lower a host callback."""
-    original = jax.pure_callback
-
-    def zeros(callback: Any, result: Any, *args: Any, **kwargs: Any) -> Any:
-        return jax.tree.map(lambda r: jnp.zeros(r.shape, r.dtype), result)
-
-    jax.pure_callback = zeros
-    try:
-        yield
-    finally:
-        jax.pure_callback = original
 
 
 def optimizers() -> List[Tuple[str, Any, optax.GradientTransformation]]:
@@ -151,7 +104,7 @@ def row(tx: optax.GradientTransformation, params: Any, sharding: Any,
     except Exception as e:
         if jax.default_backend() == "gpu" or "backend" not in str(e):
             raise
-    with callbacks_on_device():
+    with harness.callbacks_on_device():
         return figures(tx, params, sharding, donate), "callback as zeros"
 
 
@@ -163,7 +116,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--json", help="write the report here (default: "
                         "benchmarks/results/bench_xla_gpu_memory.json)")
     args = parser.parse_args(argv)
-    sharding, kind = target()
+    sharding, kind = harness.gpu_target()
     shapes = transformer_shapes(args.params)
     env = harness.environment()
     env["target"] = kind

@@ -64,6 +64,7 @@ of JSON files as markdown.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -78,7 +79,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -191,6 +192,7 @@ class HloInstruction:
     opcode: str
     shape: str  # the result type as printed, e.g. "f32[512,2048]{1,0}" or a tuple
     operands: Tuple[str, ...] = ()
+    attributes: str = ""  # what follows the operands: "mantissa_bits=3", "calls=%f", ...
 
 
 def parse_hlo(text: str) -> List[HloInstruction]:
@@ -210,10 +212,12 @@ def parse_hlo(text: str) -> List[HloInstruction]:
         if m:
             shape, rest = _split_shape(m.group(2))
             opcode = re.match(r"([\w\-]+)", rest)
-            operands = _split_shape(rest[len(opcode.group(1)):])[0] if opcode else ""
+            operands, attributes = (_split_shape(rest[len(opcode.group(1)):]) if opcode
+                                    else ("", ""))
             out.append(HloInstruction(computation, m.group(1),
                                       opcode.group(1) if opcode else "", shape,
-                                      tuple(re.findall(r"%([\w.\-]+)", operands))))
+                                      tuple(re.findall(r"%([\w.\-]+)", operands)),
+                                      attributes.lstrip(", ")))
     return out
 
 
@@ -347,6 +351,68 @@ def count_stablehlo_ops(text: str) -> int:
     """Ops in a lowered (StableHLO) module's text: ``%x = stablehlo.op`` and result-less ones."""
     return (len(re.findall(r"=\s*\"?stablehlo\.", text))
             + len(re.findall(r"^\s*\"?stablehlo\.", text, re.M)))
+
+
+# --------------------------------------------------------------------------- #
+# XLA:GPU without a GPU.
+# --------------------------------------------------------------------------- #
+
+# An H100 SXM as XLA:GPU's target description (GpuTargetConfigProto, text format): what
+# JAX's deviceless ahead-of-time path compiles for when there is no GPU. Without a
+# driver the CUDA plugin's version check fails: set JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1
+# before JAX starts its backends (the compile needs only the plugin's compiler).
+H100_TARGET = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 84929347584 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 7 }
+runtime_version { major: 12 minor: 8 patch: 0 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+H100_KIND = "NVIDIA H100 80GB HBM3 (deviceless compile: no GPU on this machine)"
+
+
+def h100_sharding() -> Any:
+    """A sharding on one deviceless H100 (needs the CUDA plugin, no GPU): arguments
+    given as ``jax.ShapeDtypeStruct(..., sharding=h100_sharding())`` make
+    ``jax.jit(f).trace(...).lower().compile()`` compile for an H100."""
+    from jax.experimental import topologies
+    topology = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET,
+                                            topology="1x1x1")
+    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def gpu_target() -> Tuple[Any, str]:
+    """A sharding on the local GPU, or on a deviceless H100; and what it is."""
+    if jax.default_backend() == "gpu":
+        device = jax.devices()[0]
+        return jax.sharding.SingleDeviceSharding(device), device.device_kind
+    return h100_sharding(), H100_KIND
+
+
+@contextlib.contextmanager
+def callbacks_on_device() -> Iterator[None]:
+    """``jax.pure_callback`` returning zeros of its result type, on the device:
+    JAX's deviceless compile cannot lower a host callback. The program differs from
+    the real one only in what the callback returns."""
+    original = jax.pure_callback
+
+    def zeros(callback: Any, result: Any, *args: Any, **kwargs: Any) -> Any:
+        return jax.tree.map(lambda r: jnp.zeros(r.shape, r.dtype), result)
+
+    jax.pure_callback = zeros
+    try:
+        yield
+    finally:
+        jax.pure_callback = original
 
 
 # --------------------------------------------------------------------------- #

@@ -1,0 +1,255 @@
+"""The deviceless XLA:GPU tier: what XLA:GPU makes of the library's programs, read from the
+optimized H100 program (compiled here without a GPU; see tests/xla_gpu.py).
+
+The suite's other tests run on XLA:CPU, which keeps every float rounding. XLA:GPU does
+not (``xla_allow_excess_precision``), turns float8 products into cuBLASLt or Triton
+GEMMs, and has its own compile-time traps. Run the tier with the CUDA plugin installed::
+
+    pip install -e '.[test,xla-gpu]'
+    python -m pytest -m xla_gpu -q tests/test_xla_gpu.py
+
+Without the plugin every test here skips. ``JMP_POLICY_XLA_GPU_FIGURES=<path>`` writes the
+figures the tests read (sites, roundings kept, GEMMs, compile times) to a JSON file
+(benchmarks/results/xla_gpu_tier.json holds them for the commits named there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Dict
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jmp_policy
+import jaxpr_walk
+import xla_gpu
+
+pytestmark = [pytest.mark.xla_gpu, xla_gpu.requires_plugin]
+
+FIGURES: Dict[str, Any] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_figures():
+    yield
+    path = os.environ.get("JMP_POLICY_XLA_GPU_FIGURES")
+    if path and FIGURES:
+        with open(path, "w") as f:
+            json.dump(FIGURES, f, indent=1, sort_keys=True)
+
+
+def spec(*shape: int, dtype: Any = jnp.float32) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+# --- a. roundings kept -----------------------------------------------------------------
+
+def assert_roundings_kept(name: str, fn: Callable[..., Any], *specs: Any,
+                          sites_expected: bool = True) -> None:
+    """Every rounding ``fn`` asks for is left in the optimized H100 program.
+
+    Criterion, per narrow float format T (float16, bfloat16, the float8s, float4_e2m1fn):
+    ``kept_T >= min(sites_T, reference_T)``.
+
+    * ``sites_T``: the jaxpr's narrowing conversions to T (`xla_gpu.quantization_sites`).
+    * ``kept_T``: the roundings to T in the optimized HLO: conversions from a wider float
+      to T (a native float8 GEMM's operands are such conversions) and ``reduce-precision``
+      s to T's mantissa, which is how the library rounds in float32 (`jmp_policy.formats`)
+      (`xla_gpu.roundings_kept`).
+    * ``reference_T``: ``kept_T`` of the same program compiled with
+      ``xla_allow_excess_precision`` off, where XLA removes no round trip.
+
+    Why it fails when XLA removes a rounding: XLA:GPU's rewrite of a round trip
+    ``convert(convert(x, T), f32) -> x`` deletes the conversion to T and leaves nothing
+    of T in its place, so each removed rounding that the library does not make again
+    lowers ``kept_T`` by one below what the reference keeps (the reference keeps it);
+    `test_the_criterion_sees_a_removed_round_trip` shows it on a plain round trip. Why
+    the reference: XLA rightly merges identical roundings (CSE: two parameter updates
+    rounding the same sum) and drops dead ones, which lowers both counts alike; the
+    bar is the sites XLA keeps when it may remove no round trip. It is necessary, not
+    sufficient: XLA may duplicate a rounding into several kernels, which can hide a
+    removed one; the tests on XLA:CPU with tests/excess_precision.py check the values.
+    """
+    sites = xla_gpu.quantization_sites(jax.make_jaxpr(fn)(*specs))
+    assert sites or not sites_expected, f"{name}: no quantization site: not the program meant"
+    text, _ = xla_gpu.compile_for_h100(fn, *specs)
+    reference, _ = xla_gpu.compile_for_h100(
+        fn, *specs, options={"xla_allow_excess_precision": False})
+    figures = {t: {"sites": sites[t], "kept": xla_gpu.roundings_kept(text, t),
+                   "reference": xla_gpu.roundings_kept(reference, t)} for t in sorted(sites)}
+    FIGURES.setdefault("roundings", {})[name] = figures
+    short = {t: f["kept"] for t, f in figures.items()
+             if f["kept"] < min(f["sites"], f["reference"])}
+    assert not short, f"{name}: XLA:GPU removed roundings (kept {short}): {figures}"
+
+
+def test_the_criterion_sees_a_removed_round_trip():
+    """The criterion fails on a bfloat16 round trip (XLA:GPU removes it) and holds with
+    ``xla_allow_excess_precision`` off: the readers see what XLA does."""
+    def round_trip(x):
+        return x.astype(jnp.bfloat16).astype(jnp.float32) * 3.0
+
+    x = spec(64, 64)
+    assert xla_gpu.quantization_sites(jax.make_jaxpr(round_trip)(x)) == {"bfloat16": 1}
+    text, _ = xla_gpu.compile_for_h100(round_trip, x)
+    assert xla_gpu.roundings_kept(text, jnp.bfloat16) == 0
+    text, _ = xla_gpu.compile_for_h100(round_trip, x,
+                                       options={"xla_allow_excess_precision": False})
+    assert xla_gpu.roundings_kept(text, jnp.bfloat16) == 1
+
+
+RECIPES = {
+    "tensorwise": jmp_policy.Float8Recipe("tensorwise"),
+    "rowwise": jmp_policy.Float8Recipe("rowwise"),
+    # The block scalings run emulated on an H100 (no native block-scaled GEMM).
+    "mxfp8": jmp_policy.Float8Recipe("mxfp8", native=False),
+    "nvfp4": jmp_policy.Float8Recipe("nvfp4", native=False),
+}
+
+
+def layer_loss(x, w):
+    return jnp.sum(jnp.tanh(x @ w))
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_float8_products_keep_their_roundings(recipe):
+    """``jax.grad`` of one float8 product (forward and both backward products)."""
+    fn = jax.grad(jmp_policy.autocast(layer_loss, "mixed_bfloat16", fp8=RECIPES[recipe]),
+                  argnums=(0, 1))
+    assert_roundings_kept(f"autocast {recipe}", fn, spec(256, 512), spec(512, 256))
+
+
+@pytest.mark.parametrize("policy, recipe", [("mixed_float16", None),
+                                            ("mixed_bfloat16", "nvfp4")])
+def test_the_inspector_keeps_its_roundings(policy, recipe):
+    """The numerics inspector's program (forward and backward), with its host callbacks
+    made outputs (a deviceless compile cannot lower them): it measures what the
+    roundings lose, so a removed rounding would read as no loss."""
+    inspect = jmp_policy.inspect_numerics(layer_loss, policy, fp8=RECIPES.get(recipe),
+                                          argnums=(0, 1))
+    x = jax.random.normal(jax.random.key(0), (256, 512))
+    w = jax.random.normal(jax.random.key(1), (512, 256)) * 512 ** -0.5
+    program, args = xla_gpu.inspector_program(inspect, x, w)
+    assert_roundings_kept(f"inspector {policy}{f' {recipe}' if recipe else ''}", program,
+                          *jax.tree.map(lambda a: spec(*a.shape, dtype=a.dtype), args))
+
+
+OPTIMIZERS = {
+    "low_precision_params stochastic": (
+        lambda: jmp_policy.low_precision_params(optax.adam(1e-3), "stochastic"), jnp.bfloat16),
+    "quantize_state 8-bit": (lambda: jmp_policy.quantize_state(optax.adam(1e-3), bits=8),
+                             jnp.float32),
+    "quantize_state 4-bit": (lambda: jmp_policy.quantize_state(optax.adam(1e-3), bits=4),
+                             jnp.float32),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_optimizer_steps_keep_their_roundings(name):
+    """An optimizer step (``update`` + ``apply_updates``) on transformer-shaped leaves."""
+    make, dtype = OPTIMIZERS[name]
+    tx = make()
+    params = {"w": spec(512, 1024, dtype=dtype), "b": spec(1024, dtype=dtype)}
+    state = jax.eval_shape(tx.init, params)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    # low_precision_params' misuse check is a host callback: zeros on the device here.
+    with xla_gpu.harness.callbacks_on_device():
+        # 4-bit codes are integers made by integer operations: maybe no float site.
+        assert_roundings_kept(name, step, params, state, params, sites_expected=False)
+
+
+# --- b. float8 GEMMs ---------------------------------------------------------------------
+
+def mlp_loss(p, x):
+    return jnp.sum(jnp.tanh(jax.nn.gelu(x @ p["w1"]) @ p["w2"]))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_every_eligible_product_is_a_float8_gemm(recipe):
+    """Forward + backward of a two-layer MLP (gradients of the weights and the input):
+    each of its 2 products is 3 float8 GEMMs (forward, and the gradients of both operands).
+
+    A deviceless compile cannot autotune, so XLA:GPU makes every GEMM a Triton fusion
+    with a default tiling; on an H100 the autotuner chose cuBLASLt for all of them
+    (benchmarks/results/h100_2026-11-25.md). Both are checked: with Triton GEMMs off
+    (what XLA does when cuBLAS wins), ``__cublas$lt$matmul$f8`` calls, the rewrite whose
+    pattern (float8 operands, scales as its operands) a recipe can miss, falling back to
+    a bfloat16 GEMM; by default, GEMMs on float8 operands. No GEMM of another kind.
+    """
+    fn = jax.grad(jmp_policy.autocast(mlp_loss, "mixed_bfloat16", fp8=RECIPES[recipe]),
+                  argnums=(0, 1))
+    p = {"w1": spec(512, 1024), "w2": spec(1024, 512)}
+    x = spec(256, 512, dtype=jnp.bfloat16)
+    products = sum(e.primitive.name == "dot_general"
+                   for e in jaxpr_walk.eqns(jax.make_jaxpr(mlp_loss)(p, x)))
+    cublas, _ = xla_gpu.compile_for_h100(fn, p, x,
+                                         options={"xla_gpu_enable_triton_gemm": False})
+    triton, _ = xla_gpu.compile_for_h100(fn, p, x)
+    calls = xla_gpu.custom_call_targets(cublas)
+    gemms = {"products": products, "cublaslt_f8": calls["__cublas$lt$matmul$f8"],
+             "cublas_other": sum(n for t, n in calls.items()
+                                 if "cublas" in t and "f8" not in t),
+             "float8_dots": xla_gpu.float8_dots(triton), "dots": xla_gpu.opcodes(triton)["dot"]}
+    FIGURES.setdefault("gemms", {})[recipe] = gemms
+    assert products == 2
+    assert gemms["cublaslt_f8"] == 3 * products and gemms["cublas_other"] == 0, gemms
+    assert gemms["float8_dots"] == gemms["dots"] == 3 * products, gemms
+
+
+# --- c. compile time ---------------------------------------------------------------------
+
+def _gpu_fp8() -> Any:
+    """benchmarks/gpu_fp8.py, whose MLP block and size sweep the compile-time test builds."""
+    return xla_gpu.benchmark("gpu_fp8")
+
+
+def _mlp_train_step(kind: str):
+    """gpu_fp8's MLP block train step (AdamW) at its size: d_model 4096, 8192 tokens."""
+    bench = _gpu_fp8()
+    d, b, t = (bench.SIZES["full"][k] for k in ("d_model", "batch", "seq"))
+    p = jax.eval_shape(lambda: bench.mlp_params(d))
+    args = (p, jax.eval_shape(optax.adamw(1e-4).init, p),
+            spec(b, t, d, dtype=jnp.bfloat16), spec(b, t, d))
+    return bench.train_step(kind), args
+
+
+def _summed_product(kind: str):
+    """gpu_fp8's sweep: ``grad`` of ``sum(x @ w)``, x 8192 x 256 (its first size). The
+    loss is linear in the product: its cotangent is a constant."""
+    bench = _gpu_fp8()
+    s = bench.SIZES["full"]["sweep"][0]
+    return bench.product_grad(kind), (spec(bench.SIZES["full"]["sweep_tokens"], s,
+                                           dtype=jnp.bfloat16), spec(s, s))
+
+
+MARGIN = 2.0  # rowwise may take up to twice tensorwise's compile time
+SLACK_S = 2.0  # and 2 s more, for a shared machine's noise on compiles of seconds
+
+
+@pytest.mark.parametrize("program", ["mlp train step", "summed product"])
+def test_rowwise_compiles_about_as_fast_as_tensorwise(program):
+    """Rowwise float8 compiles within ``MARGIN`` x tensorwise's time (+ ``SLACK_S``), for
+    an H100 (persistent cache off; XLA's compile only).
+
+    Both recipes quantize the same operands into the same GEMMs; rowwise adds a row
+    maximum per operand and a rescale per product, which cost XLA no more than a
+    fraction of the compile. On an H100 the MLP train step took 233 s rowwise against
+    5 s tensorwise. A deviceless compile runs XLA's HLO passes (constant folding
+    among them) but not the autotuning of GEMMs, so this sees the first kind of cause
+    and not the second.
+    """
+    build = {"mlp train step": _mlp_train_step, "summed product": _summed_product}[program]
+    seconds = {}
+    for kind in ("tensorwise", "rowwise"):
+        fn, args = build(kind)
+        _, seconds[kind] = xla_gpu.compile_for_h100(fn, *args)
+    FIGURES.setdefault("compile_s", {})[program] = seconds
+    assert seconds["rowwise"] <= MARGIN * seconds["tensorwise"] + SLACK_S, seconds
