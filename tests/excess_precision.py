@@ -155,7 +155,8 @@ def _eval_eqn(eqn: Any, invals: list[Any], insources: list[Any]) -> tuple[list[A
     name, params = eqn.primitive.name, eqn.params
     if name == "convert_element_type":
         return _convert(invals[0], insources[0], params)
-    if name in _LAYOUT and insources[0] is not None:
+    if insources and insources[0] is not None and \
+            (name in _LAYOUT or (name == "stack" and len(invals) == 1)):  # a reshape
         out = eqn.primitive.bind(*invals, **params)
         return [out], [eqn.primitive.bind(insources[0], *invals[1:], **params)]
     if name in _INLINED:

@@ -74,6 +74,7 @@ SEEN_THROUGH = {
     "broadcast_in_dim": lambda a: jnp.broadcast_to(a, (2, 4, 6)),
     "expand_dims": lambda a: lax.expand_dims(a, (1,)),
     "squeeze": lambda a: lax.squeeze(a[:, None], (1,)),
+    "stack of one": lambda a: jnp.stack([a]),
     "several": lambda a: jnp.broadcast_to(a.T.reshape(2, 12), (5, 2, 12)),
 }
 KEPT = {
@@ -83,6 +84,7 @@ KEPT = {
     "pad": lambda a: jnp.pad(a, 1),
     "dynamic_slice": lambda a: lax.dynamic_slice(a, (jnp.int32(1), jnp.int32(2)), (2, 3)),
     "gather": lambda a: a[jnp.array([2, 0])],
+    "stack": lambda a: jnp.stack([a, a]),
 }
 
 

@@ -16,12 +16,15 @@ import pytest
 from jax import lax
 
 import jmp_policy
+from excess_precision import COMPILERS
 from jaxpr_walk import eqns
 from jmp_policy import AutocastWarning, Float8Recipe, autocast
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 SCALINGS = ("tensorwise", "rowwise")
+# The numerics tests run as XLA:CPU compiles them and as XLA:GPU does (tests/excess_precision.py).
+compilers = pytest.mark.parametrize("compile", list(COMPILERS.values()), ids=list(COMPILERS))
 
 
 # --- jaxpr inspection -----------------------------------------------------------------
@@ -188,23 +191,26 @@ def test_weight_gradient_can_stay_in_the_compute_dtype():
 
 # --- scaling ----------------------------------------------------------------------------
 
+@compilers
 @pytest.mark.parametrize("scaling", SCALINGS)
-def test_scaling_keeps_products_far_outside_e4m3s_range_accurate(scaling):
-    f = autocast(jnp.matmul, "float32", fp8=scaling)
-    with_grads = jax.jit(lambda f, x, w, ct: (lambda out, vjp: (out, *vjp(ct)))(*jax.vjp(f, x, w)),
-                         static_argnums=0)
+def test_scaling_keeps_products_far_outside_e4m3s_range_accurate(scaling, compile):
+    def with_grads(f):
+        return compile(lambda x, w, ct: (lambda out, vjp: (out, *vjp(ct)))(*jax.vjp(f, x, w)))
+
+    f = with_grads(autocast(jnp.matmul, "float32", fp8=scaling))
     for magnitude in (1e-4, 1e4):  # float8_e4m3fn holds 2e-3 (subnormal) to 448
         x, w = rng(64, 128, scale=magnitude), rng(128, 32, seed=1, scale=magnitude)
         ct = rng(64, 32, seed=2, scale=magnitude)
-        for got, want in zip(with_grads(f, x, w, ct), with_grads(jnp.matmul, x, w, ct)):
+        for got, want in zip(f(x, w, ct), with_grads(jnp.matmul)(x, w, ct)):
             assert rel_error(got, want) < 0.1
 
 
-def test_an_outlier_row_spoils_tensorwise_not_rowwise():
+@compilers
+def test_an_outlier_row_spoils_tensorwise_not_rowwise(compile):
     x, w = rng(64, 128), rng(128, 32, seed=1)
     x = x.at[0].set(rng(128, seed=3, scale=1e4))
     want = (x @ w)[1:]
-    errors = {s: rel_error(autocast(jnp.matmul, "float32", fp8=s)(x, w)[1:], want)
+    errors = {s: rel_error(compile(autocast(jnp.matmul, "float32", fp8=s))(x, w)[1:], want)
               for s in SCALINGS}
     # The outlier's scale pushes the other rows down to float8_e4m3fn's subnormals:
     # 4.9% (7.3% with power-of-two scales) against 3.7% with a scale per row.
@@ -214,12 +220,13 @@ def test_an_outlier_row_spoils_tensorwise_not_rowwise():
 
 # --- non-finite values --------------------------------------------------------------------
 
+@compilers
 @pytest.mark.parametrize("scaling", SCALINGS)
-def test_non_finite_operands_give_non_finite_products(scaling):
+def test_non_finite_operands_give_non_finite_products(scaling, compile):
     x, w = rng(32, 64), rng(64, 16, seed=1)
     f = autocast(jnp.matmul, "mixed_bfloat16", fp8=scaling)
-    grads = jax.jit(lambda x, w, ct: jax.vjp(f, x, w)[1](ct))
-    f = jax.jit(f)
+    grads = compile(lambda x, w, ct: jax.vjp(f, x, w)[1](ct))
+    f = compile(f)
     for bad in (np.inf, -np.inf, np.nan):
         out = f(x.at[3, 5].set(bad), w)
         assert not np.isfinite(out[3]).any()  # never finite garbage where float32 has none

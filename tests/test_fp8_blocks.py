@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from excess_precision import COMPILERS, inspect_as_on_a_gpu
 from jaxpr_walk import eqns
 
 import jmp_policy
@@ -23,6 +24,8 @@ from jmp_policy.autocast import _blocks, _fp8
 E2M1, E4M3, E5M2 = (np.dtype(d) for d in (jnp.float4_e2m1fn, jnp.float8_e4m3fn, jnp.float8_e5m2))
 E8M0, F32, BF16 = np.dtype(jnp.float8_e8m0fnu), np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 BLOCKS = ("mxfp8", "nvfp4")
+# The numerics tests run as XLA:CPU compiles them and as XLA:GPU does (tests/excess_precision.py).
+compilers = pytest.mark.parametrize("compile", list(COMPILERS.values()), ids=list(COMPILERS))
 
 
 def rng(*shape, seed=0, scale=1.0):
@@ -34,12 +37,13 @@ def rel_error(got, want):
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-def with_gradients(f, *args, ct):
-    """``f(*args)`` and the gradients of its two first arguments for cotangent ``ct``, jitted."""
+def with_gradients(f, *args, ct, compile=jax.jit):
+    """``f(*args)`` and the gradients of its two first arguments for cotangent ``ct``,
+    compiled with ``compile``."""
     def run(a, b, ct):
         out, vjp = jax.vjp(lambda a, b: f(a, b, *args), a, b)
         return (out, *vjp(ct.astype(out.dtype)))
-    return jax.jit(run)
+    return compile(run)
 
 
 def native_products(fn, *args):
@@ -174,12 +178,13 @@ def test_quantization_is_jaxs_reference_bit_for_bit():
                                                  .astype(F32)))
 
 
+@compilers
 @pytest.mark.parametrize("scaling", BLOCKS)
-def test_emulated_products_are_the_dequantized_products(scaling):
+def test_emulated_products_are_the_dequantized_products(scaling, compile):
     # K = 40: padded to whole blocks. Each product of two dequantized values is exact in
     # float32; float64 sums of them differ from float32 sums only by float32 rounding.
     x, w = rng(24, 40), rng(40, 16, seed=1)
-    got = autocast(jnp.matmul, "float32", fp8=scaling)(x, w)
+    got = compile(autocast(jnp.matmul, "float32", fp8=scaling))(x, w)
     fmt = Float8Recipe(scaling).fwd_dtype
     dx, sx = _blocks.dequantized_along(x, 1, scaling, fmt)
     dw, sw = _blocks.dequantized_along(w, 0, scaling, fmt)
@@ -229,8 +234,9 @@ def test_native_products_take_block_formats_forward_and_backward(scaling):
         == ({value: 6} if scaling == "mxfp8" else {value: 6, E4M3: 6})  # nvfp4: e4m3 scales
 
 
+@compilers
 @pytest.mark.parametrize("scaling", BLOCKS)
-def test_native_and_emulated_paths_compute_the_same_bits(scaling, monkeypatch):
+def test_native_and_emulated_paths_compute_the_same_bits(scaling, compile, monkeypatch):
     # No CPU runs the native product: stand in JAX's documented semantics of
     # jax.nn.scaled_matmul, so that what the native path feeds it (layouts, scales stored
     # as e8m0 / e4m3, the tensor scales) is checked against the emulation, bit for bit.
@@ -240,17 +246,20 @@ def test_native_and_emulated_paths_compute_the_same_bits(scaling, monkeypatch):
                                precision=lax.Precision.HIGHEST, preferred_element_type=F32)
 
     x, w, ct = rng(3, 8, 48), rng(48, 32, seed=1), rng(3, 8, 32, seed=2)
-    emulated = with_gradients(autocast(lambda x, w: x @ w, "float32", fp8=scaling), ct=ct)
+    emulated = with_gradients(autocast(lambda x, w: x @ w, "float32", fp8=scaling), ct=ct,
+                              compile=compile)
     want = emulated(x, w, ct)
     monkeypatch.setattr(jax.nn, "scaled_matmul", scaled_matmul)
     native = autocast(lambda x, w: x @ w, "float32", fp8=Float8Recipe(scaling, native=True))
-    for got, expected in zip(with_gradients(native, ct=ct)(x, w, ct), want):
+    native = with_gradients(native, ct=ct, compile=compile)
+    for got, expected in zip(native(x, w, ct), want):
         np.testing.assert_array_equal(got, expected)
 
 
 # --- stochastic rounding through autocast ----------------------------------------------------
 
-def test_nvfp4_weight_gradients_are_unbiased_with_stochastic_rounding():
+@compilers
+def test_nvfp4_weight_gradients_are_unbiased_with_stochastic_rounding(compile):
     # The weight gradient sums the incoming gradient over 2048 tokens (x is ones). Each
     # block of 16 tokens holds one 6 (its maximum) and fifteen 2.5s, which round to
     # nearest (even) to 2: a 19% bias. Stochastically, to 2 or 3, half and half.
@@ -260,22 +269,26 @@ def test_nvfp4_weight_gradients_are_unbiased_with_stochastic_rounding():
     errors = {}
     for sr in (True, False):
         f = autocast(jnp.matmul, "float32", fp8=Float8Recipe("nvfp4", stochastic_rounding=sr))
-        _, grad_w = jax.jit(lambda x, w, ct: jax.vjp(f, x, w)[1](ct))(x, w, ct)
+        _, grad_w = compile(lambda x, w, ct: jax.vjp(f, x, w)[1](ct))(x, w, ct)
         errors[sr] = rel_error(grad_w, want)
     assert errors[True] < 0.02 and errors[False] > 0.15, errors
 
 
-def test_stochastic_rounding_of_float8_gradients_is_an_option():
+@compilers
+def test_stochastic_rounding_of_float8_gradients_is_an_option(compile):
     x, w, ct = rng(64, 64), rng(64, 32, seed=1), rng(64, 32, seed=2)
     recipe = Float8Recipe("rowwise", stochastic_rounding=True)
-    nearest = with_gradients(autocast(jnp.matmul, "float32", fp8="rowwise"), ct=ct)(x, w, ct)
-    got = with_gradients(autocast(jnp.matmul, "float32", fp8=recipe), ct=ct)(x, w, ct)
+    nearest = with_gradients(autocast(jnp.matmul, "float32", fp8="rowwise"), ct=ct,
+                             compile=compile)(x, w, ct)
+    got = with_gradients(autocast(jnp.matmul, "float32", fp8=recipe), ct=ct,
+                         compile=compile)(x, w, ct)
     np.testing.assert_array_equal(got[0], nearest[0])  # the forward is untouched
     assert not np.array_equal(got[1], nearest[1])
     want = jax.vjp(jnp.matmul, x, w)[1](ct)
     assert all(rel_error(g, v) < 0.12 for g, v in zip(got[1:], want))
     # Reproducible: the random bits come from the gradient's values.
-    again = with_gradients(autocast(jnp.matmul, "float32", fp8=recipe), ct=ct)(x, w, ct)
+    again = with_gradients(autocast(jnp.matmul, "float32", fp8=recipe), ct=ct,
+                           compile=compile)(x, w, ct)
     np.testing.assert_array_equal(again[1], got[1])
 
 
@@ -292,13 +305,15 @@ def moe_operands():
     return x, w, ct, jnp.asarray(SIZES, jnp.int32)
 
 
+@compilers
 @pytest.mark.parametrize("scaling", BLOCKS)
-def test_ragged_products_scale_each_experts_blocks_apart(scaling):
+def test_ragged_products_scale_each_experts_blocks_apart(scaling, compile):
     # Magnitudes differ by up to 1e7 between experts: a block mixing two experts' rows
     # would flush the smaller one; each expert's errors are those of float8 (e2m1) alone.
     x, w, ct, sizes = moe_operands()
     want = with_gradients(lax.ragged_dot, sizes, ct=ct)(x, w, ct)
-    got = with_gradients(autocast(lax.ragged_dot, "float32", fp8=scaling), sizes, ct=ct)(x, w, ct)
+    got = with_gradients(autocast(lax.ragged_dot, "float32", fp8=scaling), sizes, ct=ct,
+                         compile=compile)(x, w, ct)
     bound = {"mxfp8": 0.06, "nvfp4": 0.3}[scaling]
     ends = np.cumsum(SIZES)
     for e, (size, end) in enumerate(zip(SIZES, ends)):
@@ -327,12 +342,13 @@ def test_ragged_products_take_block_formats_forward_and_backward():
 
 # --- non-finite values --------------------------------------------------------------------
 
+@compilers
 @pytest.mark.parametrize("scaling", BLOCKS)
-def test_non_finite_operands_give_non_finite_products_and_zeros_finite_ones(scaling):
+def test_non_finite_operands_give_non_finite_products_and_zeros_finite_ones(scaling, compile):
     x, w = rng(32, 64), rng(64, 16, seed=1)
     f = autocast(jnp.matmul, "mixed_bfloat16", fp8=scaling)
-    grads = jax.jit(lambda x, w, ct: jax.vjp(f, x, w)[1](ct))
-    f = jax.jit(f)
+    grads = compile(lambda x, w, ct: jax.vjp(f, x, w)[1](ct))
+    f = compile(f)
     for bad in (np.inf, np.nan):
         assert not np.isfinite(f(x.at[3, 5].set(bad), w)[3]).any()
         gx, gw = grads(x, w, jnp.ones((32, 16), BF16).at[0, 0].set(bad))
@@ -400,7 +416,11 @@ def test_linen_nnx_and_equinox_models():
 
 # --- the numerics inspector ------------------------------------------------------------------
 
-def test_inspector_reports_block_products_with_saturated_and_flushed_values(tmp_path):
+@pytest.mark.parametrize("on_a_gpu", [False, True], ids=list(COMPILERS))
+def test_inspector_reports_block_products_with_saturated_and_flushed_values(
+        on_a_gpu, tmp_path, monkeypatch):
+    if on_a_gpu:  # the inspector's program as XLA:GPU compiles it (tests/excess_precision.py)
+        inspect_as_on_a_gpu(monkeypatch)
     # NVFP4, x: the tensor scale is 1 (2688 = 6 * 448); in the second block 0.0174 / 6 =
     # 0.0029 is 1.48 of e4m3's smallest subnormal, 2**-9: the scale 2**-9 takes 0.0174 to
     # 8.9, beyond 7 (where rounding stops giving e2m1's largest value, 6): saturated to 6;

@@ -11,12 +11,15 @@ import optax
 import pytest
 from jax import lax
 
+from excess_precision import COMPILERS
 from jaxpr_walk import eqns
 from jmp_policy import AutocastWarning, Float8Recipe, autocast
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 SCALINGS = ("tensorwise", "rowwise")
+# The numerics tests run as XLA:CPU compiles them and as XLA:GPU does (tests/excess_precision.py).
+compilers = pytest.mark.parametrize("compile", list(COMPILERS.values()), ids=list(COMPILERS))
 
 M, K, N = 96, 64, 48
 SIZES = (24, 0, 40, 32)  # an empty group; they sum to M
@@ -52,12 +55,13 @@ def operands(sizes=SIZES, m=M):
             jnp.asarray(ct, jnp.float32), jnp.asarray(sizes, jnp.int32))
 
 
-def with_gradients(f):
-    """``f(x, w, sizes)``, and its gradients with respect to x and w for cotangent ct, jitted."""
+def with_gradients(f, compile=jax.jit):
+    """``f(x, w, sizes)``, and its gradients with respect to x and w for cotangent ct,
+    compiled with ``compile``."""
     def run(x, w, ct, sizes):
         out, vjp = jax.vjp(lambda x, w: f(x, w, sizes), x, w)
         return (out, *vjp(ct.astype(out.dtype)))
-    return jax.jit(run)
+    return compile(run)
 
 
 def ragged_products(fn, *args):
@@ -123,10 +127,12 @@ def test_small_excluded_and_other_layouts_stay_in_the_compute_dtype():
 
 # --- accuracy ---------------------------------------------------------------------------
 
+@compilers
 @pytest.mark.parametrize("scaling", SCALINGS)
-def test_values_and_gradients_are_close_to_float32_in_every_group(scaling):
+def test_values_and_gradients_are_close_to_float32_in_every_group(scaling, compile):
     x, w, ct, sizes = operands()
-    got = with_gradients(autocast(moe_product, "mixed_bfloat16", fp8=scaling))(x, w, ct, sizes)
+    f = autocast(moe_product, "mixed_bfloat16", fp8=scaling)
+    got = with_gradients(f, compile)(x, w, ct, sizes)
     want = with_gradients(moe_product)(x, w, ct, sizes)
     errors = {"out": [], "grad_x": [], "grad_w": []}
     for group, rows in enumerate(groups_of(SIZES)):
@@ -141,7 +147,8 @@ def test_values_and_gradients_are_close_to_float32_in_every_group(scaling):
     assert max(errors["grad_x"] + errors["grad_w"]) < 0.08, errors
 
 
-def test_rowwise_scales_each_group_apart():
+@compilers
+def test_rowwise_scales_each_group_apart(compile):
     # One expert's weights are 1e4 times smaller than the others': a scale for the whole
     # tensor puts them below float8_e4m3fn's range; one per group and column does not.
     x, w, ct, sizes = operands()
@@ -150,7 +157,8 @@ def test_rowwise_scales_each_group_apart():
     rows = groups_of(SIZES)[0]
     errors = {}
     for scaling in SCALINGS:
-        got = with_gradients(autocast(moe_product, "float32", fp8=scaling))(x, w, ct, sizes)
+        f = autocast(moe_product, "float32", fp8=scaling)
+        got = with_gradients(f, compile)(x, w, ct, sizes)
         errors[scaling] = (rel_error(got[0][rows], want[0][rows]),
                            rel_error(got[1][rows], want[1][rows]))
     assert max(errors["rowwise"]) < 0.08 and min(errors["tensorwise"]) > 0.5, errors
@@ -207,10 +215,11 @@ def test_all_zero_groups_and_rows_give_finite_gradients(scaling):
     assert rel_error(grad_x, want[1]) < 0.08 and rel_error(grad_w, want[2]) < 0.08
 
 
+@compilers
 @pytest.mark.parametrize("scaling", SCALINGS)
-def test_non_finite_values_give_non_finite_products(scaling):
+def test_non_finite_values_give_non_finite_products(scaling, compile):
     x, w, ct, sizes = operands()
-    f = with_gradients(autocast(moe_product, "mixed_bfloat16", fp8=scaling))
+    f = with_gradients(autocast(moe_product, "mixed_bfloat16", fp8=scaling), compile)
     groups = groups_of(SIZES)
     for bad in (np.inf, -np.inf, np.nan):
         # In lhs row 30 (group 2): its output row and its group's weight gradient.

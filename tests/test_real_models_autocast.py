@@ -20,6 +20,7 @@ import pytest
 
 import jmp_policy
 import jmp_policy.flax  # noqa: F401  (the NNX train step)
+from excess_precision import COMPILERS
 
 rm = pytest.importorskip("real_models")  # skips with flax or equinox missing
 nnx = pytest.importorskip("flax.nnx")
@@ -48,9 +49,9 @@ def evaluate_all(name):
     return evaluate(name, variants(rm.MODELS[name]))
 
 
-def evaluate(name, losses):
+def evaluate(name, losses, compile=jax.jit):
     """``((loss, aux), grads)`` of each of ``losses`` (the model's loss signature), train
-    mode, in one jitted program.
+    mode, in one program compiled with ``compile`` (Equinox's: ``eqx.filter_jit``).
 
     Every loss sees the same dropout masks: linen and Equinox from the same
     key, NNX from a fresh module merged from the same state (its own Rngs).
@@ -61,12 +62,12 @@ def evaluate(name, losses):
     grads = {k: model.value_and_grad(f) for k, f in losses.items()}
     if model.framework == "linen":
         params, rest = state["params"], {k: v for k, v in state.items() if k != "params"}
-        program = jax.jit(lambda p, r, b, k: {n: g(p, r, b, k, True) for n, g in grads.items()})
+        program = compile(lambda p, r, b, k: {n: g(p, r, b, k, True) for n, g in grads.items()})
         return program(params, rest, batch, k_drop)
     if model.framework == "nnx":
         graphdef, nnx_state = nnx.split(state)
         # copy=True: each variant's module gets its own variables (RNG counters included).
-        program = jax.jit(lambda st, b: {n: g(nnx.merge(graphdef, st, copy=True), b, True)
+        program = compile(lambda st, b: {n: g(nnx.merge(graphdef, st, copy=True), b, True)
                                          for n, g in grads.items()})
         return program(nnx_state, batch)
     program = eqx.filter_jit(lambda m, b, k: {n: g(m, b, k, True) for n, g in grads.items()})
@@ -87,10 +88,24 @@ def relative_error(got, want):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_precision_matches_float32(name):
-    runs = evaluate_all(name)
+    assert_every_precision_matches_float32(evaluate_all(name))
+
+
+def test_float8_matches_float32_as_on_a_gpu():
+    """As XLA:GPU computes it (tests/excess_precision.py), for the language model: rowwise
+    float8 products, whose operands autocast narrows most."""
+    model = rm.MODELS["linen_lm"]
+    losses = {p: f for p, f in variants(model).items() if p in ("float32", "rowwise")}
+    assert_every_precision_matches_float32(
+        evaluate("linen_lm", losses, COMPILERS["jit, excess precision as on a GPU"]))
+
+
+def assert_every_precision_matches_float32(runs):
     (want, want_aux), want_grads = runs["float32"]
     assert all(np.isfinite(x).all() for x in float_leaves((want, want_aux, want_grads)))
     for policy, tol in HALF.items():
+        if policy not in runs:
+            continue
         (loss, aux), grads = runs[policy]
         assert loss.dtype == jnp.float32, policy  # a loss is never narrowed: float32 class
         assert abs(float(loss) - float(want)) <= tol * abs(float(want)), policy
