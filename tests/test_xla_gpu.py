@@ -232,12 +232,13 @@ def _summed_product(kind: str):
 
 MARGIN = 2.0  # rowwise may take up to twice tensorwise's compile time
 SLACK_S = 2.0  # and 2 s more, for a shared machine's noise on compiles of seconds
+ROUNDS = 2  # the fastest of 2 compiles each
 
 
 @pytest.mark.parametrize("program", ["mlp train step", "summed product"])
 def test_rowwise_compiles_about_as_fast_as_tensorwise(program):
     """Rowwise float8 compiles within ``MARGIN`` x tensorwise's time (+ ``SLACK_S``), for
-    an H100 (persistent cache off; XLA's compile only).
+    an H100 (the fastest of ``ROUNDS`` compiles; persistent cache off; XLA's compile only).
 
     Both recipes quantize the same operands into the same GEMMs; rowwise adds a row
     maximum per operand and a rescale per product, which cost XLA no more than a
@@ -247,9 +248,11 @@ def test_rowwise_compiles_about_as_fast_as_tensorwise(program):
     and not the second.
     """
     build = {"mlp train step": _mlp_train_step, "summed product": _summed_product}[program]
-    seconds = {}
-    for kind in ("tensorwise", "rowwise"):
-        fn, args = build(kind)
-        _, seconds[kind] = xla_gpu.compile_for_h100(fn, *args)
+    seconds: Dict[str, float] = {}
+    for _ in range(ROUNDS):  # interleaved, so that a shared machine's load hits both alike
+        for kind in ("tensorwise", "rowwise"):
+            fn, args = build(kind)
+            _, t = xla_gpu.compile_for_h100(fn, *args)
+            seconds[kind] = min(t, seconds.get(kind, t))
     FIGURES.setdefault("compile_s", {})[program] = seconds
     assert seconds["rowwise"] <= MARGIN * seconds["tensorwise"] + SLACK_S, seconds
