@@ -234,9 +234,10 @@ def _mix(x: jax.Array) -> jax.Array:
     return lax.bitwise_xor(x, lax.shift_right_logical(x, _U32(16)))
 
 
-def random_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def random_bits(seed: jax.Array, shape: tuple[int, ...],
+                salt: Optional[jax.Array] = None) -> jax.Array:
     """Uniform uint32 bits of ``shape``: each a hash of the element's index (in row-major
-    order) and ``seed``, two uint32 words.
+    order) and ``seed``, two uint32 words, and of the element's ``salt`` if given.
 
     The two words are hashed into one stream key first (a scalar), so that words
     drawn from one another still give unrelated streams; for a uniformly random key,
@@ -244,12 +245,33 @@ def random_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     element's bits are exactly uniform. Computed in the kernel that uses them
     (``jax.random.bits`` is written to memory and read back), and from the global
     index, so a sharded array gets the bits the whole one would.
+
+    ``salt`` (uint32 of ``shape``, e.g. the bits of the values to round) is mixed in
+    before the last hash: for any fixed salt the bits stay exactly uniform, and arrays
+    of the same shape rounded with one seed get unrelated bits where their salts
+    differ. It lets one seed serve every array of a step (below).
+
+    The seed of a stateful rounding: `low_precision_params`, `cast_state` and
+    `quantize_state` keep a PRNG key in their state; each step splits it and draws one
+    seed (``jax.random.bits(step_key, (2,), jnp.uint32)``) for every array it rounds,
+    salted with the bits of the values rounded. One seed, not one per array: the
+    kernels that round arrays of the same shape are then the same computation, which
+    XLA compiles once (a seed per array, sliced from an array of seeds, is a constant
+    in each kernel and makes every kernel distinct).
+
+    >>> bits = random_bits(jnp.array([1, 2], jnp.uint32), (3,))
+    >>> salted = random_bits(jnp.array([1, 2], jnp.uint32), (3,), jnp.zeros(3, jnp.uint32))
+    >>> bool((bits == salted).all())   # a zero salt changes nothing
+    True
     """
     seed = lax.convert_element_type(jnp.asarray(seed), _U32)
     key = _mix(lax.bitwise_xor(seed[0], _mix(lax.add(seed[1], _U32(0x9E3779B9)))))
     index = lax.iota(_U32, max(1, math.prod(shape)))
     index = lax.reshape(index, shape) if len(shape) != 1 else index
-    return _mix(_mix(lax.add(lax.mul(index, _U32(0x9E3779B1)), key)))
+    counter = _mix(lax.add(lax.mul(index, _U32(0x9E3779B1)), key))
+    if salt is not None:
+        counter = lax.bitwise_xor(counter, lax.convert_element_type(salt, _U32))
+    return _mix(counter)
 
 
 def seed_from_values(x: Any, salt: int) -> jax.Array:

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_policy._dtypes import round_to
+from jmp_policy import formats
 from jmp_policy.transform import _loss_scaling_states
 
 Seed = Union[int, jax.Array]
@@ -160,9 +160,10 @@ def low_precision_params(
         rounding; no buffer) or ``"split"`` (the low 16 bits of each float32
         weight: 2 bytes; bfloat16 parameters only).
       seed: for ``"stochastic"``, an int or a PRNG key. The state holds the
-        key; each step splits it and rounds with bits drawn from the new key
-        (16 per element, hashed from its index), so training is reproducible
-        from the seed and no two steps round alike.
+        key; each step splits it and rounds with random bits hashed from a seed
+        drawn from the new key, each element's index and value
+        (``jmp_policy.formats.random_bits``), so training is reproducible from
+        the seed and no two steps round alike.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs
@@ -234,9 +235,9 @@ def low_precision_params(
             updates, low_bits = _per_leaf(_split_step, handled, seen, updates, params)
             new_state = SplitState(inner_state, low_bits, state.landed)
         else:
-            next_key, step_key = _split_key(state.key, impl)
-            seeds = _leaf_seeds(step_key, params)
-            updates, _ = _per_leaf(_stochastic_step, handled, params, updates, seeds)
+            next_key, seed = _step_seed(state.key, impl)
+            updates, _ = _per_leaf(functools.partial(_stochastic_step, seed=seed), handled,
+                                   params, updates)
             new_state = StochasticRoundingState(inner_state, next_key, state.dtypes, state.landed)
         return updates, new_state._replace(landed=_landed(params, updates, handled))
 
@@ -303,8 +304,8 @@ def cast_state(
                                             **extra_args)
         if state.key is None:
             return updates, CastState(_narrowed(inner_state, dtype, None), None)
-        next_key, step_key = _split_key(state.key, impl)
-        return updates, CastState(_narrowed(inner_state, dtype, step_key), next_key)
+        next_key, seed = _step_seed(state.key, impl)
+        return updates, CastState(_narrowed(inner_state, dtype, seed), next_key)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -353,9 +354,8 @@ def _kahan_step(p: jax.Array, update: jax.Array, c: jax.Array) -> Tuple[jax.Arra
     return to_new, rest.astype(p.dtype)
 
 
-def _stochastic_step(p: jax.Array, update: jax.Array, seed: jax.Array) -> Tuple[jax.Array, None]:
-    new = _stochastic_round(p.astype(jnp.float32) + update, p.dtype, seed)
-    return _update_to(p, new), None
+def _stochastic_step(p: jax.Array, update: jax.Array, *, seed: jax.Array) -> Tuple[jax.Array, None]:
+    return _update_to(p, _stochastic_round(p.astype(jnp.float32) + update, p.dtype, seed)), None
 
 
 def _split_step(weight: jax.Array, update: jax.Array, p: jax.Array) -> Tuple[jax.Array, jax.Array]:
@@ -417,7 +417,7 @@ def _applied(p: jax.Array, update: jax.Array) -> jax.Array:
 
 def _rounded(x: jax.Array, dtype: Any) -> jax.Array:
     """``x.astype(dtype)``, with a rounding XLA keeps when the result is widened again."""
-    return round_to(x, dtype).astype(dtype)
+    return formats.round_nearest(x, dtype).astype(dtype)
 
 
 def _bits(x: jax.Array) -> jax.Array:
@@ -425,43 +425,11 @@ def _bits(x: jax.Array) -> jax.Array:
 
 
 def _stochastic_round(x: jax.Array, dtype: Any, seed: jax.Array) -> jax.Array:
-    """``x`` (float32) rounded to one of its two neighbours in ``dtype``, with mean ``x``.
-
-    The value above is taken with probability ``(x - below) / ulp``. For
-    bfloat16 that fraction is the low 16 bits of ``x`` over ``2**16``: adding 16
-    random bits there and dropping them rounds up exactly that often (the
-    carry runs into the exponent where it should, signs are magnitudes).
-    Other dtypes compare the fraction, computed exactly, with a uniform number
-    on a ``2**-16`` grid; NaNs and infinities stay, values beyond the largest
-    finite one round to nearest.
-    """
-    noise = _noise16(seed, x.shape)
-    if jnp.dtype(dtype) == jnp.bfloat16:
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint32) + noise.astype(jnp.uint32)
-        rounded = jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
-        # A NaN's payload could carry into its sign bit.
-        return jnp.where(jnp.isnan(x), x.astype(dtype), rounded)
-    nearest = _rounded(x, dtype)
-    wide = nearest.astype(jnp.float32)
-    other = jnp.nextafter(nearest, jnp.where(x > wide, jnp.inf, -jnp.inf).astype(dtype))
-    fraction = (x - wide) / (other.astype(jnp.float32) - wide)
-    return jnp.where(noise.astype(jnp.float32) * 2.0**-16 < fraction, other, nearest)
-
-
-def _noise16(seed: jax.Array, shape: Tuple[int, ...]) -> jax.Array:
-    """16 random bits per element: a hash of the element's index and ``seed`` (2 uint32 words).
-
-    For a uniformly random first word, ``index * odd + word`` is uniform over
-    32 bits, and murmur3's finalizer is a bijection, so each element's bits
-    are exactly uniform. Computed in the kernel that uses them, unlike
-    ``jax.random.bits``, whose output XLA writes to memory and reads back;
-    and from the global index, so a sharded array gets the same bits.
-    """
-    index = jax.lax.iota(jnp.uint32, int(np.prod(shape))).reshape(shape)
-    h: jax.Array = (index * jnp.uint32(0x9E3779B1) + seed[0]) ^ seed[1]
-    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
-    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
-    return ((h ^ (h >> 16)) >> 16).astype(jnp.uint16)
+    """Float32 ``x`` in ``dtype``, rounded stochastically (``formats.round_stochastic``:
+    for bfloat16, random bits added below its mantissa and dropped) with bits from
+    ``seed``, salted with the bits of ``x`` (see ``formats.random_bits``)."""
+    salt = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return formats.encode(x, dtype, formats.random_bits(seed, x.shape, salt))
 
 
 def _split_float32(x: jax.Array) -> Tuple[jax.Array, jax.Array]:
@@ -696,13 +664,6 @@ def _params_seen_by_inner(params: Any, state: LowPrecisionState, handled: Any) -
     return _widened(params, handled)
 
 
-def _leaf_seeds(key: jax.Array, tree: Any) -> Any:
-    """Per leaf of ``tree``, two random uint32 words drawn from ``key`` (one draw for all)."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    seeds = jax.random.bits(key, (max(len(leaves), 1), 2), jnp.uint32)
-    return jax.tree_util.tree_unflatten(treedef, [seeds[i] for i in range(len(leaves))])
-
-
 def _is_stored_narrow(x: Any) -> bool:
     """Whether a state leaf is one `cast_state` stores narrowly: a floating array, not a scalar."""
     dtype = getattr(x, "dtype", None)
@@ -710,18 +671,17 @@ def _is_stored_narrow(x: Any) -> bool:
             and jnp.issubdtype(dtype, jnp.floating))
 
 
-def _narrowed(state: Any, dtype: Any, key: Optional[jax.Array]) -> Any:
-    """``state`` with its stored-narrow leaves in ``dtype``: stochastically rounded with ``key``."""
-    def narrow(x: Any, seed: Optional[jax.Array]) -> Any:
+def _narrowed(state: Any, dtype: Any, seed: Optional[jax.Array]) -> Any:
+    """``state`` with its stored-narrow leaves in ``dtype``: rounded stochastically with
+    ``seed`` (two uint32 words), or to nearest for ``None``."""
+    def narrow(x: Any) -> Any:
         if not _is_stored_narrow(x):
             return x
         if seed is None:
             return jnp.asarray(x).astype(dtype)
         return _stochastic_round(jnp.asarray(x, jnp.float32), dtype, seed)
 
-    seeds = (_leaf_seeds(key, state) if key is not None
-             else jax.tree_util.tree_map(lambda x: None, state))
-    return jax.tree_util.tree_map(narrow, state, seeds, is_leaf=lambda x: x is None)
+    return jax.tree_util.tree_map(narrow, state)
 
 
 def _widened_state(state: Any) -> Any:
@@ -752,10 +712,18 @@ def _key_data(seed: Seed, stream: int, name: str) -> Tuple[jax.Array, Any]:
     return jax.random.key_data(key), jax.random.key_impl(key)
 
 
-def _split_key(data: jax.Array, impl: Any) -> Tuple[jax.Array, jax.Array]:
-    """(the next step's key data, this step's key)."""
+def _step_seed(data: jax.Array, impl: Any) -> Tuple[jax.Array, jax.Array]:
+    """(the next step's key data, this step's seed): the key split, and two uint32 words
+    drawn from the new key, the seed of every array the step rounds
+    (``formats.random_bits``).
+    """
     next_key, step_key = jax.random.split(jax.random.wrap_key_data(data, impl=impl))
-    return jax.random.key_data(next_key), step_key
+    words = jax.random.bits(step_key, (2,), jnp.uint32)
+    # Two scalars behind a barrier, so that each kernel that rounds reads scalars:
+    # XLA:GPU merges kernels that read one non-scalar array (the two words) into one
+    # kernel per shape, with an output per array, distinct for every count of arrays.
+    first, second = jax.lax.optimization_barrier((words[0], words[1]))  # type: ignore[no-untyped-call]
+    return jax.random.key_data(next_key), jnp.stack([first, second])
 
 
 def _check_choice(name: str, arg: str, value: Any, choices: Tuple[str, ...]) -> str:

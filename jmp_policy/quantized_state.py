@@ -64,9 +64,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_policy import formats
 from jmp_policy.low_precision import (
-    ROUNDINGS, Seed, _check_choice, _key_data, _leaf_seeds, _noise16,
-    _refuse_inner_loss_scaling, _split_key)
+    ROUNDINGS, Seed, _check_choice, _key_data, _refuse_inner_loss_scaling, _step_seed)
 
 BITS = (8, 4)
 DEFAULT_BLOCK_SIZE = {8: 256, 4: 32}
@@ -175,14 +175,10 @@ def quantize_state(
         name = jax.tree_util.keystr(path)
         return NONNEGATIVE4 if any(r.search(name) for r in positive) else SIGNED4
 
-    def quantized(state: Any, step_key: Optional[jax.Array]) -> Any:
+    def quantized(state: Any, seed: Optional[jax.Array]) -> Any:
         units, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_array_node)
-        arrays = [_array(unit) for _, unit in units]
-        seeds = (_leaf_seeds(step_key, arrays) if step_key is not None
-                 else [None] * len(arrays))
         return jax.tree_util.tree_unflatten(treedef, [
-            _quantized_unit(unit, code(path, unit), block_size, seed)
-            for (path, unit), seed in zip(units, seeds)])
+            _quantized_unit(unit, code(path, unit), block_size, seed) for path, unit in units])
 
     def init_fn(params: optax.Params) -> QuantizedState:
         inner_state = inner.init(params)
@@ -204,8 +200,8 @@ def quantize_state(
 
         widened = jax.tree_util.tree_map(dequantize, state.inner_state, is_leaf=_is_quantized)
         updates, inner_state = inner.update(grads, widened, params, **extra_args)
-        next_key, step_key = (None, None) if state.key is None else _split_key(state.key, impl)
-        return updates, QuantizedState(quantized(inner_state, step_key), next_key)
+        next_key, seed = (None, None) if state.key is None else _step_seed(state.key, impl)
+        return updates, QuantizedState(quantized(inner_state, seed), next_key)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -247,17 +243,19 @@ def _power_of_two(biased: jax.Array) -> jax.Array:
 def quantize(x: Any, block_size: int, code: str = FLOAT8,
              seed: Optional[jax.Array] = None) -> QuantizedArray:
     """``x`` as a `QuantizedArray` with blocks of ``block_size`` along its last axis,
-    rounded stochastically with the uint32 words ``seed`` (to nearest if ``None``)."""
+    rounded stochastically with the seed ``seed`` (two uint32 words, see
+    ``formats.random_bits``), or to nearest if ``None``."""
     x = jnp.asarray(x, jnp.float32)
     exponents = _exponents(x, block_size, code)
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
     y = blocks * _power_of_two(254 - exponents.astype(jnp.int32))[..., None]
-    u = (None if seed is None
-         else _noise16(seed, y.shape).astype(jnp.float32) * 2.0 ** -16)
+    # Salted with the values' bits: one seed serves every array of a step.
+    bits = (None if seed is None else
+            formats.random_bits(seed, y.shape, jax.lax.bitcast_convert_type(y, jnp.uint32)))
     if code == FLOAT8:
-        values = _float8(y, u)
+        values = _float8(y, bits)
     else:
-        values = _nonnegative4(y, u) if code == NONNEGATIVE4 else _signed4(y, u)
+        values = _nonnegative4(y, bits) if code == NONNEGATIVE4 else _signed4(y, bits)
     return QuantizedArray(values.reshape(*x.shape[:-1], -1), exponents, code)
 
 
@@ -282,16 +280,26 @@ def dequantize(x: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- #
-# The codes. Each rounds scaled values ``y`` (within the code's range) to one
-# of their two neighbouring codes: up with probability (y - low) / spacing
-# when stochastic (``u`` uniform in [0, 1)), to the nearer one otherwise.
+# The codes. Each rounds scaled values ``y`` (within the code's range) to one of
+# their two neighbouring codes: stochastically with random ``bits`` (uint32, see
+# ``formats.random_bits``), else to the nearer one (a tie to the smaller magnitude).
+# Every code's grid is that of a float format, unbounded above: 2**mantissa steps
+# per binade, and below the smallest normal binade the spacing of that binade.
 # --------------------------------------------------------------------------- #
 
-def _round_up(y: jax.Array, low: jax.Array, spacing: jax.Array,
-              u: Optional[jax.Array]) -> jax.Array:
-    if u is None:
-        return (y - low) * 2 > spacing
-    return u * spacing < y - low
+def _on_grid(magnitude: jax.Array, mantissa: int, min_exponent: int,
+             bits: Optional[jax.Array]) -> jax.Array:
+    """``magnitude`` (non-negative) rounded on the grid of a float format with
+    ``mantissa`` bits and smallest normal binade ``2 ** min_exponent``: up with
+    probability (magnitude - low) / spacing (``bits``), or to nearest."""
+    spacing = _binade(magnitude, min_exponent) * 2.0 ** -mantissa
+    low = jnp.floor(magnitude / spacing) * spacing   # exact: spacing is a power of two
+    if bits is None:
+        up = (magnitude - low) * 2 > spacing
+    else:
+        u = (bits >> 8).astype(jnp.float32) * 2.0 ** -24   # uniform in [0, 1), exactly
+        up = u * spacing < magnitude - low
+    return low + jnp.where(up, spacing, 0.0)
 
 
 def _binade(magnitude: jax.Array, smallest: int) -> jax.Array:
@@ -300,20 +308,21 @@ def _binade(magnitude: jax.Array, smallest: int) -> jax.Array:
     return _power_of_two(jnp.maximum(e, smallest) + 127)
 
 
-# float8_e4m3fn: spacing 2**(e - 3) in [2**e, 2**(e + 1)) for e >= -6; below, the
-# subnormals, 2**-9 apart.
+# float8_e4m3fn: 3 mantissa bits, smallest normal 2**-6; below, the subnormals, 2**-9
+# apart. Stochastically, formats.round_stochastic; to nearest, the codes' rule (ties
+# to the smaller magnitude, as the conversion does not).
 _F8_MANTISSA, _F8_MIN_EXPONENT = 3, -6
 _F8_SMALLEST = 2.0 ** (_F8_MIN_EXPONENT - _F8_MANTISSA)
 
 
-def _float8(y: jax.Array, u: Optional[jax.Array]) -> jax.Array:
-    magnitude = jnp.abs(y)
-    spacing = _binade(magnitude, _F8_MIN_EXPONENT) * 2.0 ** -_F8_MANTISSA
-    low = jnp.floor(magnitude / spacing) * spacing
-    rounded = low + jnp.where(_round_up(magnitude, low, spacing, u), spacing, 0.0)
+def _float8(y: jax.Array, bits: Optional[jax.Array]) -> jax.Array:
+    if bits is None:
+        rounded = jnp.sign(y) * _on_grid(jnp.abs(y), _F8_MANTISSA, _F8_MIN_EXPONENT, None)
+    else:
+        rounded = formats.round_stochastic(y, jnp.float8_e4m3fn, bits)
     # Nonzero stays nonzero: the smallest float8 magnitude, with the value's sign.
-    rounded = jnp.where((rounded == 0) & (magnitude != 0), _F8_SMALLEST, rounded)
-    return (jnp.sign(y) * rounded).astype(jnp.float8_e4m3fn)
+    rounded = jnp.where((rounded == 0) & (y != 0), jnp.sign(y) * _F8_SMALLEST, rounded)
+    return rounded.astype(jnp.float8_e4m3fn)
 
 
 # The 4-bit codes are int4, which XLA stores two per byte in the state's shape,
@@ -328,11 +337,9 @@ def _float8(y: jax.Array, u: Optional[jax.Array]) -> jax.Array:
 _S4_SMALLEST = -6
 
 
-def _signed4(y: jax.Array, u: Optional[jax.Array]) -> jax.Array:
-    magnitude = jnp.minimum(jnp.abs(y), 1.0)
-    low = jnp.where(magnitude < 2.0 ** _S4_SMALLEST, 0.0, _binade(magnitude, _S4_SMALLEST))
-    spacing = jnp.where(low == 0, 2.0 ** _S4_SMALLEST, low)
-    rounded = low + jnp.where(_round_up(magnitude, low, spacing, u), spacing, 0.0)
+def _signed4(y: jax.Array, bits: Optional[jax.Array]) -> jax.Array:
+    # A grid of no mantissa bits: the powers of two from 2**-6, and below it 0.
+    rounded = _on_grid(jnp.minimum(jnp.abs(y), 1.0), 0, _S4_SMALLEST, bits)
     k = jnp.where(rounded == 0, 0,
                   (jax.lax.bitcast_convert_type(rounded, jnp.int32) >> 23) - 127 + 7)
     # The int4 of bits (sign, k): k, or k - 8 with the sign.
@@ -356,13 +363,10 @@ def _signed4_values(codes: jax.Array) -> jax.Array:
 _N4_SMALLEST, _N4_LARGEST = 1.5, 256.0
 
 
-def _nonnegative4(y: jax.Array, u: Optional[jax.Array]) -> jax.Array:
+def _nonnegative4(y: jax.Array, bits: Optional[jax.Array]) -> jax.Array:
     magnitude = jnp.clip(y, _N4_SMALLEST, _N4_LARGEST)  # below: rounds up to it
-    binade = _binade(magnitude, 0)
-    # In [b, 2b), the codes b, 1.5b and 2b.
-    low = jnp.where(magnitude < 1.5 * binade, binade, 1.5 * binade)
-    rounded = low + jnp.where(_round_up(magnitude, low, 0.5 * binade, u), 0.5 * binade, 0.0)
-    rounded = jnp.minimum(rounded, _N4_LARGEST)
+    # A grid of one mantissa bit: in [b, 2b), the codes b, 1.5b and 2b.
+    rounded = jnp.minimum(_on_grid(magnitude, 1, 0, bits), _N4_LARGEST)
     # float32 bits 30-22 (the exponent and the top mantissa bit) count the same
     # steps: 2**0 is 254 there, 1.5 (c = -8) 255.
     bits = jax.lax.bitcast_convert_type(rounded, jnp.int32)
