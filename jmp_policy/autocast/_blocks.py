@@ -140,18 +140,17 @@ def block_scale(amax: jax.Array, scaling: str, dtype: Any) -> jax.Array:
 
 
 def to_format(y: jax.Array, dtype: Any, seed: Optional[jax.Array] = None) -> jax.Array:
-    """Float32 ``y``, already scaled into ``dtype``'s range, clipped to it and converted:
-    rounded to nearest even, or stochastically with ``seed`` (two uint32 words, see
-    ``formats.random_bits``).
+    """Float32 ``y``, already scaled into ``dtype``'s range, clipped to it and converted
+    (``formats.encode``): rounded to nearest even, or stochastically with ``seed`` (two
+    uint32 words, see ``formats.random_bits``).
 
-    ``float4_e2m1fn`` has neither inf nor NaN: XLA's conversion to it saturates, which
-    is the clip, so the conversion itself sees (and the numerics inspector counts) the
-    values beyond it."""
+    ``float4_e2m1fn`` has neither inf nor NaN: its rounding saturates, which is the
+    clip, so the rounding itself sees the values beyond it."""
     if seed is not None:
         return formats.encode(y, dtype, formats.random_bits(seed, jnp.shape(y)))
     if np.dtype(dtype) != E2M1:
         y = jnp.clip(y, -_max(dtype), _max(dtype))
-    return lax.convert_element_type(y, np.dtype(dtype))
+    return formats.encode(y, dtype)
 
 
 def quantize_blocks(x: Any, scaling: str, dtype: Any, *, seed: Optional[jax.Array] = None,

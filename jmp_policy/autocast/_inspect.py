@@ -443,6 +443,9 @@ class Observer:
         self._fp8_casts: dict[int, tuple[Any, int]] = {}  # id of a float8 value: its cast
         # id of a value dequantized from float8 (float4) casts: (the value, their rows)
         self._dequantized: dict[int, tuple[Any, list[int]]] = {}
+        # id of a value that formats.round_nearest rounded: (the value, what it rounded, the
+        # format)
+        self._rounded: dict[int, tuple[Any, Any, DType]] = {}
         self._levels: list[_Level] = []
         self._higher_order = higher_order_names()
         self._unvisited: set[str] = set()
@@ -452,6 +455,7 @@ class Observer:
         if id(eqn) in self.dead or eqn.primitive.name in self._higher_order:
             return  # a higher-order primitive's equations were observed one by one
         block = self._track_dequantized(eqn, invals, outs)
+        invals = self._unrounded(eqn, invals, outs)
         scales = eqn.primitive.name == "mul" and _SCALE_SCOPES.intersection(
             scope_names(ctx.scope)[-1:])
         if _sub_jaxprs(eqn) and eqn.primitive.name not in _TRACED:  # a scatter's combiner
@@ -503,6 +507,19 @@ class Observer:
         elif sources and name in _DEQUANTIZING:
             self._dequantized[id(outs[0])] = (outs[0], [n for rows in sources for n in rows])
         return None
+
+    def _unrounded(self, eqn: JaxprEqn, invals: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
+        """``invals``, except that a cast of a value the program rounded to the cast's format
+        first (``formats.round_nearest``, which makes the cast exact) takes the value before
+        that rounding: the cast's row is then the rounding's."""
+        if eqn.primitive is formats.rounding_p:
+            self._rounded[id(outs[0])] = (outs[0], invals[0], eqn.params["dtype"])
+        elif eqn.primitive.name == "convert_element_type":
+            found = self._rounded.get(id(invals[0]))
+            if found is not None and found[0] is invals[0] and \
+                    np.dtype(eqn.params["new_dtype"]) == found[2]:
+                return [found[1]]
+        return list(invals)
 
     @contextlib.contextmanager
     def jaxpr(self) -> Iterator[None]:
@@ -591,8 +608,12 @@ _F16 = np.dtype(np.float16)
 
 
 def widened(x: Any) -> Any:
-    """``x`` at float32 at least, if floating (float64 stays float64)."""
-    return convert(x, join(dtype_of(x), F32)) if is_floating(x) else x
+    """``x`` at float32 at least, if floating (float64 stays float64); a narrow ``x`` with
+    its rounding in place (``formats.widen``), which no compiler rewrite removes."""
+    if not is_floating(x):
+        return x
+    return formats.widen(x) if represents(F32, dtype_of(x)) and dtype_of(x) != F32 \
+        else convert(x, join(dtype_of(x), F32))
 
 
 def _preserves_values(eqn: JaxprEqn) -> bool:
@@ -621,9 +642,8 @@ _SCALE_SCOPES = frozenset({_blocks.BLOCK_SCALES, _blocks.TENSOR_SCALES})
 # What a block-scaled product's emulation does to an operand between its cast back from
 # float8 (float4) and the product: the rounding made again (``formats.widen``), a scale,
 # a layout.
-_DEQUANTIZING = frozenset({"reduce_precision", "round", "select_n", "clamp", "mul", "reshape",
-                           "transpose", "slice", "squeeze", "expand_dims", "broadcast_in_dim",
-                           "pad", "copy", "copy_p"})
+_DEQUANTIZING = frozenset({formats.rounding_p.name, "mul", "reshape", "transpose", "slice",
+                           "squeeze", "expand_dims", "broadcast_in_dim", "pad", "copy", "copy_p"})
 
 
 def _is_float8(dtype: Any) -> bool:

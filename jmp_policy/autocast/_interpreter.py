@@ -301,7 +301,7 @@ def jax_roundings(jaxpr: Jaxpr, depth: int = 8) -> frozenset[int]:
         if eqn.primitive.name != "convert_element_type" or isinstance(eqn.invars[0], Literal):
             continue
         source, new = eqn.invars[0], eqn.params["new_dtype"]
-        if np.dtype(source.aval.dtype) != F32 or not is_floating_dtype(new) \
+        if _dtype(source) != F32 or not is_floating_dtype(new) \
                 or represents(np.dtype(new), F32):
             continue
         start = producer.get(source)
@@ -311,6 +311,11 @@ def jax_roundings(jaxpr: Jaxpr, depth: int = 8) -> frozenset[int]:
     return frozenset(found)
 
 
+def _dtype(v: Any) -> DType:
+    dtype: DType = np.dtype(v.aval.dtype)
+    return dtype
+
+
 def _widened_from(eqn: JaxprEqn, narrow: DType, producer: dict[Any, JaxprEqn],
                   depth: int) -> bool:
     """Whether float32 operands of ``eqn`` come, at most ``depth`` float32 equations up,
@@ -318,12 +323,11 @@ def _widened_from(eqn: JaxprEqn, narrow: DType, producer: dict[Any, JaxprEqn],
     frontier, seen = [eqn], set()
     for _ in range(depth):
         operands = [v for e in frontier for v in e.invars
-                    if isinstance(v, Var) and np.dtype(v.aval.dtype) == F32 and v not in seen]
+                    if isinstance(v, Var) and _dtype(v) == F32 and v not in seen]
         seen.update(operands)
         frontier = [producer[v] for v in operands if v in producer]
         for e in frontier:
-            if e.primitive.name == "convert_element_type" and \
-                    np.dtype(e.invars[0].aval.dtype) == narrow:
+            if e.primitive.name == "convert_element_type" and _dtype(e.invars[0]) == narrow:
                 return True
         if not frontier:
             return False

@@ -106,6 +106,8 @@ TRACED_DTYPES = frozenset({
     "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
     "pure_callback", "io_callback", "debug_callback", "debug_print", "ffi_call",
     "rng_uniform", "convert_element_type",
+    # jmp_policy.formats' rounding to a format: float32 in and out, the format a parameter.
+    "round_to_format",
     # JAX 0.12's library-level primitives (jnp.searchsorted): run as JAX wrote them.
     "call_hi_primitive",
 })

@@ -1,0 +1,286 @@
+"""Autocast's quantized products: every float8 and block-scaled recipe, dense and ragged,
+forward and backward, from one ``custom_vjp``.
+
+A product of ``lhs`` and ``rhs`` (a ``dot_general``, or a ``ragged_dot_general`` in
+``lax.ragged_dot``'s layout) is three contractions: the forward one, and in the
+backward pass the incoming gradient ``g`` with ``rhs`` (lhs's gradient) and with
+``lhs`` (rhs's gradient). A `Layout` holds the three `Contraction` s of a product:
+which named operands each takes, which of their axes it contracts, how its result
+is laid out. Dense and ragged products differ only there. A `Scheme` says how an
+operand is quantized for a contraction (`Scheme.prepare`) and how quantized
+operands are multiplied (`Scheme.contract`): current-scaled float8, one scale per
+tensor or row (``_fp8_matmul.Float8``), or block-scaled MXFP8 and NVFP4
+(``_block_matmul.Blocks``). `quantized_product` puts the two together; it is
+the only place that defines a product's derivative.
+
+Every operand of every contraction is quantized along the axes that contraction
+sums over: a forward operand is quantized again for its backward contraction
+(a scheme keeps what it can: a tensorwise operand serves every contraction).
+The incoming gradient takes ``recipe.bwd_dtype``, rounded stochastically if the
+recipe says so, with a seed drawn from its values (``formats.seed_from_values``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Optional, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import JaxprEqn
+
+from jmp_policy import formats
+from jmp_policy.autocast._fp8 import RAGGED, WEIGHT_GRADIENT, Float8Recipe, in_groups, ragged_dims
+from jmp_policy.autocast._interpreter import bind
+from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, join
+
+Name = Literal["lhs", "rhs", "g"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Contraction:
+    """One contraction of a product.
+
+    Attributes:
+      operands: the names of its (left, right) operands.
+      axes: the axes of (left, right) that it sums over: each operand is quantized
+        along them (rowwise: one scale per row of the others; blocks: blocks along them).
+      dims: its dimension numbers (``dot_general``'s, or a ``RaggedDotDimensionNumbers``).
+      ragged: whether it is a ``ragged_dot_general``, whose third operand is the group sizes.
+      grouped: whether it sums over each group's rows (a ragged product's weight
+        gradient): its operands take one scale per group (and column).
+      perm: the transpose taking its result to the layout of the operand it is the
+        gradient of, if any.
+      eqn: the equation it rewrites (the forward contraction), whose parameters it keeps.
+    """
+
+    operands: tuple[Name, Name]
+    axes: tuple[tuple[int, ...], tuple[int, ...]]
+    dims: Any
+    ragged: bool = False
+    grouped: bool = False
+    perm: Optional[tuple[int, ...]] = None
+    eqn: Optional[JaxprEqn] = None
+
+    def dot(self, left: Any, right: Any, rest: Sequence[Any], **params: Any) -> jax.Array:
+        """The contraction of ``left`` and ``right`` as JAX computes it, with ``params``
+        (``preferred_element_type``, ``precision``)."""
+        if self.eqn is not None:  # bound as traced: the parameters hold canonical values
+            precision = params.pop("precision", None)
+            if precision is not None:
+                precision = (precision, precision)
+            out: jax.Array = bind(self.eqn, (left, right, *rest),
+                                  {**self.eqn.params, "precision": precision, **params})
+            return out
+        if self.ragged:
+            return lax.ragged_dot_general(left, right, rest[0], self.dims, **params)
+        return lax.dot_general(left, right, self.dims, **params)
+
+    def arranged(self, out: jax.Array) -> jax.Array:
+        """The contraction's result in the layout of the operand it is the gradient of."""
+        return out if self.perm is None else lax.transpose(out, self.perm)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A product's three contractions, and what its operands must be before them."""
+
+    forward: Contraction
+    lhs_gradient: Contraction
+    rhs_gradient: Contraction
+    ragged: bool = False
+
+    def masked(self, x: Any, rest: Sequence[Any]) -> Any:
+        """``x`` as the contractions take it: a ragged product's rows past the groups zeroed
+        (they take no part in it, so they must not count in its scales either)."""
+        return in_groups(x, rest[0]) if self.ragged else x
+
+
+def layout_of(eqn: JaxprEqn, lhs_ndim: int, rhs_ndim: int) -> Layout:
+    """The `Layout` of ``eqn``, a ``dot_general`` or a plain ``ragged_dot_general``."""
+    if eqn.primitive.name == RAGGED:
+        return _ragged_layout(eqn)
+    dims = eqn.params["dimension_numbers"]
+    axes = DenseAxes.of(dims, lhs_ndim, rhs_ndim)
+    lhs_dims, lhs_perm = axes.lhs_gradient()
+    rhs_dims, rhs_perm = axes.rhs_gradient()
+    return Layout(
+        Contraction(("lhs", "rhs"), (axes.lhs_contract, axes.rhs_contract), dims, eqn=eqn),
+        Contraction(("g", "rhs"), (axes.out_rhs_free, axes.rhs_free), lhs_dims, perm=lhs_perm),
+        Contraction(("g", "lhs"), (axes.out_lhs_free, axes.lhs_free), rhs_dims, perm=rhs_perm))
+
+
+def _ragged_layout(eqn: JaxprEqn) -> Layout:
+    """``[m, k] x [groups, k, n] -> [m, n]`` (or rhs ``[groups, n, k]``): lhs's gradient is
+    ragged like the forward product; rhs's sums each group's rows, ``[m, k] x [m, n] ->
+    [groups, k, n]``."""
+    rhs_k = eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers[0][1][0]
+    rhs_n = 3 - rhs_k
+    return Layout(
+        Contraction(("lhs", "rhs"), ((1,), (rhs_k,)), eqn.params["ragged_dot_dimension_numbers"],
+                    ragged=True, eqn=eqn),
+        Contraction(("g", "rhs"), ((1,), (rhs_n,)), ragged_dims((1, rhs_n), True, True),
+                    ragged=True),
+        Contraction(("lhs", "g"), ((0,), (0,)), WEIGHT_GRADIENT, ragged=True, grouped=True,
+                    perm=(0, 2, 1) if rhs_k == 2 else None),
+        ragged=True)
+
+
+class Scheme(Protocol):
+    """How a recipe quantizes operands and multiplies them (see the module docstring)."""
+
+    def prepare(self, x: Any, dtype: DType, c: Contraction, position: int,
+                seed: Optional[jax.Array], rest: Sequence[Any]) -> Any:
+        """``x``, the operand at ``position`` (0 left, 1 right) of ``c``, quantized to
+        ``dtype`` for it (rounded stochastically with ``seed`` if given); an operand this
+        scheme already prepared for ``c`` as it is."""
+
+    def keep(self, x: Any, prepared: Any, dtype: DType, c: Contraction, position: int,
+             rest: Sequence[Any]) -> Any:
+        """What the forward pass saves of operand ``x`` (``prepared`` for the forward
+        contraction) for backward contraction ``c``."""
+
+    def reuses(self, prepared: Any, c: Contraction) -> bool:
+        """Whether an operand prepared for one contraction serves ``c`` as it is."""
+
+    def contract(self, c: Contraction, left: Any, right: Any, rest: Sequence[Any]) -> jax.Array:
+        """``c`` of prepared operands, in float32 and rescaled."""
+
+
+def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
+                      operand_formats: tuple[DType, DType], compute: DType,
+                      lhs: Any, rhs: Any, *rest: Any) -> Any:
+    """``eqn`` (a ``dot_general``, or a ``ragged_dot_general`` with its group sizes in
+    ``rest``) of ``lhs`` and ``rhs`` on quantized operands, differentiable.
+
+    ``operand_formats`` are the forward formats of (lhs, rhs). The result is float32
+    (at least ``compute``), as the matmul class returns it. Differentiated, each
+    operand's gradient is a quantized contraction of the incoming gradient (in
+    ``recipe.bwd_dtype``) and the other operand, returned in the operand's dtype;
+    with ``recipe.float8_weight_gradient`` off, rhs's gradient is a product in
+    ``compute``, as the matmul class computes it. Group sizes have no gradient.
+    """
+    # This rule runs whenever the product is differentiated, possibly after this trace:
+    # it keeps the equation, recipe and dtypes, never a traced value.
+    layout = layout_of(eqn, jnp.ndim(lhs), jnp.ndim(rhs))
+    acc, lhs_dtype, rhs_dtype = join(compute, F32), dtype_of(lhs), dtype_of(rhs)
+    fmt = {"lhs": operand_formats[0], "rhs": operand_formats[1], "g": recipe.bwd_dtype}
+    fwd, d_lhs, d_rhs = layout.forward, layout.lhs_gradient, layout.rhs_gradient
+
+    def seed(g: Any, c: Contraction) -> Optional[jax.Array]:
+        # The salt tells apart the two backward contractions' roundings of g.
+        salt = 1 if c is d_lhs else 2
+        return formats.seed_from_values(g, salt) if recipe.stochastic_rounding else None
+
+    def forward(a: Any, b: Any, rest: Sequence[Any]) -> tuple[Any, Any, Any, Any]:
+        a = layout.masked(a, rest)
+        qa = scheme.prepare(a, fmt["lhs"], fwd, 0, None, rest)
+        qb = scheme.prepare(b, fmt["rhs"], fwd, 1, None, rest)
+        return convert(scheme.contract(fwd, qa, qb, rest), acc), a, qa, qb
+
+    def product(a: Any, b: Any, *rest: Any) -> Any:
+        return forward(a, b, rest)[0]
+
+    def product_fwd(a: Any, b: Any, *rest: Any) -> tuple[Any, tuple[Any, Any, Any]]:
+        out, a, qa, qb = forward(a, b, rest)
+        a_res = (scheme.keep(a, qa, fmt["lhs"], d_rhs, d_rhs.operands.index("lhs"), rest)
+                 if recipe.float8_weight_gradient else a)
+        b_res = scheme.keep(b, qb, fmt["rhs"], d_lhs, 1, rest)
+        return out, (a_res, b_res, rest)
+
+    def product_bwd(res: tuple[Any, Any, Any], g: Any) -> tuple[Any, ...]:
+        a_res, b_res, rest = res
+        g = layout.masked(g, rest)
+        g_lhs = scheme.prepare(g, fmt["g"], d_lhs, 0, seed(g, d_lhs), rest)
+        grad_lhs = scheme.contract(
+            d_lhs, g_lhs, scheme.prepare(b_res, fmt["rhs"], d_lhs, 1, None, rest), rest)
+        if recipe.float8_weight_gradient:
+            at = d_rhs.operands.index("g")
+            g_rhs = g_lhs if scheme.reuses(g_lhs, d_rhs) else \
+                scheme.prepare(g, fmt["g"], d_rhs, at, seed(g, d_rhs), rest)
+            a_rhs = scheme.prepare(a_res, fmt["lhs"], d_rhs, 1 - at, None, rest)
+            grad_rhs = scheme.contract(d_rhs, *((g_rhs, a_rhs) if at == 0 else (a_rhs, g_rhs)),
+                                       rest)
+        else:  # as the matmul class's backward products: compute-dtype operands and result
+            named = {"g": convert(g, compute), "lhs": convert(a_res, compute)}
+            left, right = (named[n] for n in d_rhs.operands)
+            grad_rhs = d_rhs.dot(left, right, rest, preferred_element_type=compute)
+        return (convert(d_lhs.arranged(grad_lhs), lhs_dtype),
+                convert(d_rhs.arranged(grad_rhs), rhs_dtype), *(None for _ in rest))
+
+    name = recipe.scaling if recipe.blocks else "float8"
+    product.__name__ = f"{name}_{eqn.primitive.name}"
+    custom = jax.custom_vjp(product)
+    custom.defvjp(product_fwd, product_bwd)
+    return custom(lhs, rhs, *rest)
+
+
+# --- Where each axis of a dense product goes -----------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DenseAxes:
+    """The axes of ``dot_general(lhs, rhs)``; its output is (batch, lhs free, rhs free)."""
+
+    lhs_contract: tuple[int, ...]
+    rhs_contract: tuple[int, ...]
+    lhs_batch: tuple[int, ...]
+    rhs_batch: tuple[int, ...]
+    lhs_free: tuple[int, ...]
+    rhs_free: tuple[int, ...]
+
+    @classmethod
+    def of(cls, dims: Any, lhs_ndim: int, rhs_ndim: int) -> DenseAxes:
+        (lc, rc), (lb, rb) = dims
+        return cls(tuple(lc), tuple(rc), tuple(lb), tuple(rb),
+                   _free(lhs_ndim, lc, lb), _free(rhs_ndim, rc, rb))
+
+    @property
+    def out_batch(self) -> tuple[int, ...]:
+        return tuple(range(len(self.lhs_batch)))
+
+    @property
+    def out_lhs_free(self) -> tuple[int, ...]:
+        start = len(self.lhs_batch)
+        return tuple(range(start, start + len(self.lhs_free)))
+
+    @property
+    def out_rhs_free(self) -> tuple[int, ...]:
+        start = len(self.lhs_batch) + len(self.lhs_free)
+        return tuple(range(start, start + len(self.rhs_free)))
+
+    def lhs_gradient(self) -> tuple[Any, tuple[int, ...]]:
+        """``dot_general(g, rhs)`` dimension numbers giving lhs's gradient, and its transpose.
+
+        The product's axes are (batch, lhs free, rhs's contracting axes in
+        increasing order); the permutation puts them in lhs's order.
+        """
+        dims = ((self.out_rhs_free, self.rhs_free), (self.out_batch, self.rhs_batch))
+        return dims, _gradient_axes(self.lhs_batch, self.lhs_free, self.lhs_contract,
+                                    self.rhs_contract)
+
+    def rhs_gradient(self) -> tuple[Any, tuple[int, ...]]:
+        """``dot_general(g, lhs)`` dimension numbers giving rhs's gradient, and its transpose."""
+        dims = ((self.out_lhs_free, self.lhs_free), (self.out_batch, self.lhs_batch))
+        return dims, _gradient_axes(self.rhs_batch, self.rhs_free, self.rhs_contract,
+                                    self.lhs_contract)
+
+
+def _free(ndim: int, contract: Sequence[int], batch: Sequence[int]) -> tuple[int, ...]:
+    return tuple(i for i in range(ndim) if i not in contract and i not in batch)
+
+
+def _gradient_axes(batch: Sequence[int], free: Sequence[int], contract: Sequence[int],
+                   other_contract: Sequence[int]) -> tuple[int, ...]:
+    """For each operand axis, its axis in a gradient product laid out as
+    (batch, free, the other operand's contracting axes in increasing order)."""
+    ndim = len(batch) + len(free) + len(contract)
+    rest = sorted(other_contract)
+    position = {}
+    for i, a in enumerate(batch):
+        position[a] = i
+    for i, a in enumerate(free):
+        position[a] = len(batch) + i
+    for a, b in zip(contract, other_contract):
+        position[a] = len(batch) + len(free) + rest.index(b)
+    return tuple(position[a] for a in range(ndim))
