@@ -51,6 +51,9 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+__all__ = ["Format", "format_of", "round_nearest", "round_stochastic", "widen", "encode",
+           "random_bits", "seed_from_values"]
+
 _F32 = np.dtype(np.float32)
 _U32 = np.uint32
 _MANTISSA_BITS = 23  # float32's
