@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import json
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from jax import lax
 import jmp_policy
 from excess_precision import COMPILERS
 from jaxpr_walk import eqns
+from xla_gpu import compilation_cache_off
 from jmp_policy import AutocastWarning, Float8Recipe, autocast
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
@@ -371,3 +373,23 @@ def test_transformer_lm_example_runs_float8_products_and_takes_its_flags(tmp_pat
         "mixed_bfloat16 fp8 tensorwise, head fp8"]
     with pytest.raises(SystemExit):
         lm.main(["--fp8-head"])  # needs --fp8
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "mxfp8"])
+def test_a_constant_cotangent_compiles_as_fast_as_tensorwise(scaling):
+    """A loss linear in a product (``sum(x @ w)``) gives it a constant cotangent, whose row
+    (block) maxima XLA would evaluate at compile time, element by element: 16 s (rowwise)
+    and 11 s (mxfp8) on XLA:CPU at this size, where tensorwise takes 0.1 s. The scales'
+    maxima are computed when the program runs."""
+    def compile_seconds(fp8):
+        f = autocast(lambda x, w: x @ w, "mixed_bfloat16", fp8=fp8)
+        grad = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32)), (0, 1)))
+        lowered = grad.lower(jax.ShapeDtypeStruct((8192, 256), jnp.bfloat16),
+                             jax.ShapeDtypeStruct((256, 256), jnp.float32))
+        start = time.perf_counter()
+        lowered.compile()
+        return time.perf_counter() - start
+
+    with compilation_cache_off():  # a compile read from the cache measures nothing
+        base = compile_seconds("tensorwise")
+        assert compile_seconds(scaling) < 5 * base + 2.0

@@ -51,6 +51,19 @@ def _narrow_float(x: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype.itemsize < 4
 
 
+def unfoldable(x: Any) -> jax.Array:
+    """Floating ``x`` times a one that XLA cannot see: a reduction of it is never evaluated
+    at compile time. (Exact: ``x * 1`` is ``x``, infs and NaNs included.)
+
+    A constant ``x`` (the cotangent of a loss linear in a product, a mask) would
+    otherwise be reduced by XLA's constant folding, element by element: minutes for a
+    large one, in every backend's compile. Fused into the reduction, the multiplication
+    costs no memory traffic.
+    """
+    one = lax.optimization_barrier(jnp.ones((), jnp.result_type(x)))  # type: ignore[no-untyped-call]
+    return lax.mul(x, one)
+
+
 def finite_mask(bits: jax.Array) -> jax.Array:
     """-1 (all bits set) where the magnitude ``bits`` are finite, 0 for inf and NaN."""
     return lax.shift_right_arithmetic(bits - INF_BITS, I32(31))

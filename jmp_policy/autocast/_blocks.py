@@ -39,6 +39,7 @@ import numpy as np
 from jax import lax
 
 from jmp_policy import formats
+from jmp_policy.autocast._bits import unfoldable
 
 BLOCK_SCALINGS = ("mxfp8", "nvfp4")
 BLOCK_SIZES = {"mxfp8": 32, "nvfp4": 16}
@@ -174,7 +175,8 @@ def quantize_blocks(x: Any, scaling: str, dtype: Any, *, seed: Optional[jax.Arra
     >>> q.values.astype(jnp.float32)[:, :4].tolist()  # 2.9 -> 3; 0.25 * 448 / 18 = 6.2 -> 6
     [[0.5, -1.0, 3.0, 6.0], [6.0, 6.0, 6.0, 6.0]]
     """
-    x = lax.convert_element_type(x, _F32)
+    # A constant x (a linear loss's cotangent) is not reduced to its scales when compiled.
+    x = unfoldable(lax.convert_element_type(x, _F32))
     block = BLOCK_SIZES[scaling]
     if jnp.shape(x)[-1] % block:
         raise ValueError(f"{scaling} quantizes blocks of {block} along the last axis, "
@@ -202,7 +204,8 @@ def segment_tensor_scales(x: Any, segments: Segments) -> jax.Array:
     or matrix), ``[count]``: a mixture of experts' operands hold one tensor per expert,
     whose magnitudes may differ by more than the e4m3 block scales span."""
     ids, count = segments
-    rows = jnp.max(jnp.abs(lax.convert_element_type(x, _F32)), axis=tuple(range(1, jnp.ndim(x))))
+    rows = jnp.max(jnp.abs(unfoldable(lax.convert_element_type(x, _F32))),
+                   axis=tuple(range(1, jnp.ndim(x))))
     amax = jnp.maximum(jax.ops.segment_max(rows, ids, count, indices_are_sorted=True), 0)
     return lax.div(lax.max(amax, _TINY_AMAX), NVFP4_RANGE)
 
@@ -254,7 +257,7 @@ def dequantized_in_groups(x: Any, ids: jax.Array, sizes: jax.Array, scaling: str
     no block mixes two groups' rows, and dequantized: returns (float32 ``[m, c]``, tensor
     scales: NVFP4's one per group, ``[groups]``). The operands of a ragged product's weight gradient, which sums each group's
     rows. Rows in no group must be zero; they stay zero."""
-    x = lax.convert_element_type(x, _F32)
+    x = unfoldable(lax.convert_element_type(x, _F32))
     m, block, groups = jnp.shape(x)[0], BLOCK_SIZES[scaling], jnp.shape(sizes)[0]
     tensor_scale = jnp.ones((), _F32)
     if scaling == "nvfp4":  # one per group (expert), as in `dequantized_along`

@@ -45,7 +45,7 @@ from jax.extend.core import JaxprEqn
 from jmp_policy import formats
 from jmp_policy._dtypes import is_floating_dtype
 from jmp_policy.autocast import _blocks
-from jmp_policy.autocast._bits import INF_BITS, below, magnitude_bits, positive
+from jmp_policy.autocast._bits import INF_BITS, below, magnitude_bits, positive, unfoldable
 from jmp_policy.autocast._lattice import dtype_of
 from jmp_policy.autocast._rules import scope_names
 
@@ -434,6 +434,7 @@ def inverse_scale(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[i
     NaN rather than finite.
     """
     axes = _reduced_axes(jnp.ndim(x), scaling, contracting_axes)
+    x = unfoldable(x)  # a constant x (a linear loss's cotangent) is not reduced when compiled
     amax = lax.convert_element_type(lax.reduce_max(lax.abs(x), axes), _F32) if axes \
         else lax.abs(lax.convert_element_type(x, _F32))
     return lax.expand_dims(_factor(amax, dtype, power_of_two), axes)
@@ -553,7 +554,8 @@ def quantize_groups(x: Any, dtype: Any, ids: jax.Array, num_groups: int, *,
     """
     # Per-group maxima by a scatter-max: rows in no group are dropped, empty groups get
     # -inf (the bound in _factor makes them finite), NaN propagates as in lax.max.
-    amax = jax.ops.segment_max(lax.abs(lax.convert_element_type(x, _F32)), ids, num_groups,
+    amax = jax.ops.segment_max(lax.abs(unfoldable(lax.convert_element_type(x, _F32))), ids,
+                               num_groups,
                                indices_are_sorted=True)
     inv = _factor(amax, dtype, power_of_two)
     rows = jnp.take(inv, ids, axis=0, mode="fill", fill_value=0)
