@@ -239,6 +239,33 @@ def fused_computations(text: str) -> set:
             for m in _CALLS.finditer(line)}
 
 
+def distinct_kernels(text: str) -> int:
+    """Fusion bodies of an optimized HLO module that differ other than in their
+    instructions' names and metadata: the kernels XLA compiles, once each where it
+    reuses a kernel (XLA:GPU; XLA:CPU emits one per fusion, identical ones cheaper).
+    A constant specific to one array inside a kernel (an index into an array of
+    per-array seeds) makes the kernels of same-shaped arrays distinct."""
+    bodies: Dict[str, List[str]] = {}
+    name = None
+    for line in text.splitlines():
+        if name is None:
+            header = _HEADER.match(line)
+            if header and not line.startswith((" ", "HloModule", "ENTRY")):
+                name, bodies[header.group(1)] = header.group(1), []
+        elif line.startswith("}"):
+            name = None
+        else:
+            bodies[name].append(re.sub(r", metadata=\{[^}]*\}", "", line))
+
+    def canonical(lines: List[str]) -> str:
+        names: Dict[str, str] = {}
+        return "\n".join(re.sub(r"%([\w.\-]+)",
+                                lambda m: "%" + names.setdefault(m.group(1), str(len(names))),
+                                line) for line in lines)
+
+    return len({canonical(bodies[f]) for f in fused_computations(text) if f in bodies})
+
+
 def _shape_key(shape: str) -> Optional[Tuple[str, Tuple[int, ...]]]:
     m = _SHAPE.match(shape)
     if not m or m.group(1) not in _HLO_DTYPES:

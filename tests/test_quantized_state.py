@@ -10,20 +10,46 @@ import optax
 import pytest
 
 import jmp_policy
+from compiled_kernels import step_kernels
+from excess_precision import with_excess_precision
 from jmp_policy import QuantizedArray, dequantize, quantize_state
 
 RNG = np.random.RandomState(0)
 
+# XLA:CPU keeps every rounding; XLA:GPU under jit drops narrowing round trips
+# (tests/excess_precision.py). The codes must be right either way.
+COMPILERS = {"jit": jax.jit, "jit, excess precision as on a GPU":
+             lambda f: jax.jit(with_excess_precision(f))}
+compilers = pytest.mark.parametrize("compile", list(COMPILERS.values()), ids=list(COMPILERS))
 
-def _quantized(x, seed=None, block=256, **kwargs):
-    """``x`` through quantize_state's storage (momentum of one step)."""
+
+def _momentum(seed=None, block=256, **kwargs):
+    """A quantized momentum whose state after a step is the step's gradient."""
     # optax.trace's state after one step with decay 0 is the gradient itself.
-    tx = quantize_state(optax.trace(decay=0.0), min_size=0, block_size=block,
-                        rounding="nearest" if seed is None else "stochastic",
-                        seed=0 if seed is None else seed, **kwargs)
-    state = tx.init(jnp.zeros_like(x))
-    _, state = tx.update(jnp.asarray(x), state)
+    return quantize_state(optax.trace(decay=0.0), min_size=0, block_size=block,
+                          rounding="nearest" if seed is None else "stochastic",
+                          seed=0 if seed is None else seed, **kwargs)
+
+
+def _quantized(x, seed=None, block=256, compile=jax.jit, **kwargs):
+    """``x`` through quantize_state's storage (momentum of one step)."""
+    tx = _momentum(seed, block, **kwargs)
+    _, state = compile(lambda g, s: tx.update(g, s))(jnp.asarray(x), tx.init(jnp.zeros_like(x)))
     return state.inner_state.trace
+
+
+def _draws(x, n, compile, block=256, **kwargs):
+    """``n`` stochastic roundings of ``x``: the dequantized momentum of ``n`` steps, each
+    rounding with the next key, in one program."""
+    tx = _momentum(0, block, **kwargs)
+
+    def run(x, state):
+        def body(state, _):
+            _, state = tx.update(x, state)
+            return state, dequantize(state.inner_state.trace)
+        return jax.lax.scan(body, state, None, length=n)[1]
+
+    return np.asarray(compile(run)(jnp.asarray(x), tx.init(jnp.zeros_like(x))))
 
 
 def _scales(q):
@@ -43,10 +69,11 @@ def _spacing(y):
     return 2.0 ** (np.maximum(e, -6) - 3)
 
 
+@compilers
 @pytest.mark.parametrize("seed", [None, 7])
-def test_quantization_error_is_within_a_float8_spacing_per_block(seed):
+def test_quantization_error_is_within_a_float8_spacing_per_block(seed, compile):
     x = (RNG.randn(8, 512) * np.exp(RNG.randn(8, 512) * 2)).astype(np.float32)
-    q = _quantized(x, seed)
+    q = _quantized(x, seed, compile=compile)
     assert isinstance(q, QuantizedArray) and q.values.dtype == jnp.float8_e4m3fn
     assert q.exponents.shape == (8, 2) and q.exponents.dtype == jnp.uint8
     blocks = x.reshape(8, 2, 256)
@@ -62,9 +89,10 @@ def test_quantization_error_is_within_a_float8_spacing_per_block(seed):
     assert (np.asarray(dequantize(q)) != 0).all()  # x has no zero: none stored as zero
 
 
-def test_stochastic_rounding_is_unbiased():
+@compilers
+def test_stochastic_rounding_is_unbiased(compile):
     x = (RNG.rand(1, 256).astype(np.float32) + 0.01) * np.float32(3.3)
-    draws = np.stack([np.asarray(dequantize(_quantized(x, seed))) for seed in range(400)])
+    draws = _draws(x, 400, compile)
     mean = draws.mean(0)
     assert (draws.min(0) < draws.max(0)).mean() > 0.9       # they are random
     # In units of each value's float8 spacing (after scaling): a draw is one of two
@@ -74,7 +102,7 @@ def test_stochastic_rounding_is_unbiased():
     err = (mean - x) / (_spacing(x / scale) * scale)
     assert np.abs(err).max() < 4 * 0.5 / np.sqrt(len(draws))
     assert abs(err.mean()) < 4 * 0.5 / np.sqrt(len(draws) * x.size)
-    nearest = np.asarray(dequantize(_quantized(x)))
+    nearest = np.asarray(dequantize(_quantized(x, compile=compile)))
     assert np.abs(nearest - x).mean() > 2 * np.abs(mean - x).mean()
 
 
@@ -83,11 +111,12 @@ def _signed4_grid():
     return np.concatenate([[0.0], 2.0 ** np.arange(-6, 1)])
 
 
+@compilers
 @pytest.mark.parametrize("seed", [None, 3])
-def test_4_bit_codes_are_the_documented_grids_within_one_step(seed):
+def test_4_bit_codes_are_the_documented_grids_within_one_step(seed, compile):
     x = (RNG.randn(4, 256) * np.exp(RNG.randn(4, 256))).astype(np.float32)
     x[0, :8] = 0.0
-    momentum = _quantized(x, seed, block=128, bits=4)
+    momentum = _quantized(x, seed, block=128, compile=compile, bits=4)
     assert momentum.code == "signed4" and momentum.values.dtype == jnp.int4
     assert momentum.values.shape == (4, 256) and momentum.exponents.shape == (4, 2)
     blocks = x.reshape(4, 2, 128)
@@ -104,8 +133,7 @@ def test_4_bit_codes_are_the_documented_grids_within_one_step(seed):
     tx = quantize_state(optax.scale_by_rms(decay=0.0, eps=0.0), bits=4, min_size=0,
                         block_size=128,
                         rounding="nearest" if seed is None else "stochastic")
-    state = tx.init(jnp.zeros_like(x))
-    _, state = tx.update(jnp.asarray(x), state)
+    _, state = compile(lambda g, s: tx.update(g, s))(jnp.asarray(x), tx.init(jnp.zeros_like(x)))
     nu = state.inner_state.nu
     assert nu.code == "nonnegative4" and nu.values.dtype == jnp.int4
     scale = _power_of_two_above((x ** 2).reshape(4, 2, 128).max(-1, keepdims=True), 8)
@@ -128,11 +156,11 @@ def _assert_on_neighbours(got, y, grid, nearest):
         np.testing.assert_array_equal(got, np.where(y - low > high - y, high, low))
 
 
-def test_4_bit_stochastic_rounding_is_unbiased():
+@compilers
+def test_4_bit_stochastic_rounding_is_unbiased(compile):
     x = ((RNG.rand(1, 128) - 0.5) * 2).astype(np.float32)
     x[0, 0] = 1.0   # the block's scale is then 2: every value within the grid's span
-    draws = np.stack([np.asarray(dequantize(_quantized(x, seed, block=128, bits=4)))
-                      for seed in range(400)])
+    draws = _draws(x, 400, compile, block=128, bits=4)
     grid = _signed4_grid() * 2
     index = np.searchsorted(grid, np.abs(x), side="right") - 1
     spacing = grid[np.minimum(index + 1, len(grid) - 1)] - grid[index]
@@ -141,11 +169,12 @@ def test_4_bit_stochastic_rounding_is_unbiased():
     assert abs(err.mean()) < 4 * 0.5 / np.sqrt(len(draws) * x.size)
 
 
-def test_zero_blocks_and_outliers_keep_to_their_block():
+@compilers
+def test_zero_blocks_and_outliers_keep_to_their_block(compile):
     x = np.full((3, 256), 1e-3, np.float32)
     x[0] = 0.0                                  # a zero block
     x[1, 5] = 1e6                               # an outlier in the second block
-    q = _quantized(x)
+    q = _quantized(x, compile=compile)
     got = np.asarray(dequantize(q))
     assert (got[0] == 0).all() and (np.asarray(q.values[0], np.float32) == 0).all()
     assert got[1, 5] == pytest.approx(1e6, rel=2.0 ** -4)  # float8 precision
@@ -156,7 +185,8 @@ def test_zero_blocks_and_outliers_keep_to_their_block():
     np.testing.assert_allclose(got[2], x[2], rtol=2.0 ** -4)
 
 
-def test_adam_trains_like_float32_on_a_regression():
+@compilers
+def test_adam_trains_like_float32_on_a_regression(compile):
     w_true = RNG.randn(64, 256).astype(np.float32)
     xs = RNG.randn(512, 256).astype(np.float32)
     ys = xs @ w_true.T
@@ -168,7 +198,7 @@ def test_adam_trains_like_float32_on_a_regression():
         w = jnp.zeros((64, 256))
         state = tx.init(w)
 
-        @jax.jit
+        @compile
         def step(w, state):
             updates, state = tx.update(jax.grad(loss)(w), state, w)
             return optax.apply_updates(w, updates), state
@@ -211,32 +241,36 @@ def _stored_bytes(tree):
     return sum(x.size * jax.dtypes.itemsize_bits(x.dtype) / 8 for x in jax.tree.leaves(tree))
 
 
+@compilers
 @pytest.mark.parametrize("bits", [8, 4])
-def test_a_skipped_step_leaves_the_quantized_state_unchanged_bit_for_bit(bits):
+def test_a_skipped_step_leaves_the_quantized_state_unchanged_bit_for_bit(bits, compile):
     tx = jmp_policy.loss_scaling(quantize_state(optax.adam(1e-2), bits=bits, min_size=0),
                                  2.0 ** 8)
+    update = compile(tx.update)
     params = {"w": jnp.ones((4, 256))}
     state = tx.init(params)
-    _, state = tx.update({"w": jnp.full((4, 256), 3.0)}, state, params)
+    _, state = update({"w": jnp.full((4, 256), 3.0)}, state, params)
     bad = {"w": jnp.full((4, 256), jnp.inf)}
-    updates, after = tx.update(bad, state, params)
+    updates, after = update(bad, state, params)
     assert (np.asarray(updates["w"]) == 0).all()
     inner = lambda s: jax.tree.leaves(s.inner_state)  # noqa: E731
     assert [np.asarray(a).tobytes() for a in inner(state)] == [
         np.asarray(b).tobytes() for b in inner(after)]
 
 
+@compilers
 @pytest.mark.parametrize("bits", [8, 4])
-def test_resuming_from_host_copies_gives_the_same_next_step(bits):
+def test_resuming_from_host_copies_gives_the_same_next_step(bits, compile):
     tx = quantize_state(optax.adam(1e-2), bits=bits, min_size=0)
+    update = compile(tx.update)
     params = {"w": jnp.ones((2, 512))}
     state = tx.init(params)
     grads = {"w": jnp.asarray(RNG.randn(2, 512).astype(np.float32))}
-    _, state = tx.update(grads, state, params)
+    _, state = update(grads, state, params)
     saved = jax.tree.map(np.asarray, state)              # what a checkpoint writes
     restored = jax.tree.map(jnp.asarray, saved)
-    a, sa = tx.update(grads, state, params)
-    b, sb = tx.update(grads, restored, params)
+    a, sa = update(grads, state, params)
+    b, sb = update(grads, restored, params)
     chex.assert_trees_all_equal((a, sa), (b, sb))
 
 
@@ -462,3 +496,16 @@ def test_nnx_optimizer_keeps_the_quantized_state_across_steps(bits):
     assert isinstance(mu, QuantizedArray)
     assert mu.values.dtype == (jnp.float8_e4m3fn if bits == 8 else jnp.int4)
     assert got[-1] < 0.3 * got[0] and abs(got[-1] - want[-1]) < 0.1 * want[0], (got, want)
+
+
+@pytest.mark.parametrize("bits,rounding", [(8, "stochastic"), (4, "stochastic"), (8, "nearest")])
+def test_the_step_compiles_to_the_same_kernels_for_any_number_of_same_shaped_leaves(bits,
+                                                                                     rounding):
+    # What a model's depth adds to the step is more of the same kernels, which XLA
+    # compiles once (XLA:GPU) or cheaply: no kernel may be specific to one leaf (a
+    # seed per leaf, sliced from an array of seeds, made every leaf's kernels distinct
+    # and the compile ~10x Adam's at 96 leaves).
+    tx = quantize_state(optax.adam(1e-3), bits=bits, min_size=0, rounding=rounding)
+    kernels = [step_kernels(tx, {f"w{i}": jax.ShapeDtypeStruct((8, 256), jnp.float32)
+                                 for i in range(n)}) for n in (2, 6)]
+    assert kernels[0] == kernels[1]

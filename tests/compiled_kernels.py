@@ -1,0 +1,42 @@
+"""The distinct kernels of a compiled optimizer step (``harness.distinct_kernels``).
+
+A step that does the same work on many arrays of one shape (an optimizer on a
+model's layers) should compile to the same kernels for each, whatever their
+number: a constant specific to one array inside a kernel (an index into an
+array of per-array seeds) makes every kernel distinct, and the compile time
+grow with the arrays.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import Any
+
+import jax
+import optax
+
+_HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks",
+                        "harness.py")
+
+
+def _harness() -> Any:
+    """``benchmarks/harness.py``, which reads HLO for the benchmarks too (one place)."""
+    if "harness" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("harness", _HARNESS)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["harness"] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules["harness"]
+
+
+def step_kernels(tx: optax.GradientTransformation, params: Any) -> int:
+    """Distinct kernels of ``tx``'s compiled step (``update`` + ``optax.apply_updates``)."""
+    def step(params: Any, state: Any, grads: Any) -> Any:
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = jax.eval_shape(tx.init, params)
+    text = jax.jit(step).lower(params, state, params).compile().as_text()
+    return _harness().distinct_kernels(text)
