@@ -722,8 +722,8 @@ def _step_seed(data: jax.Array, impl: Any) -> Tuple[jax.Array, jax.Array]:
     # Two scalars behind a barrier, so that each kernel that rounds reads scalars:
     # XLA:GPU merges kernels that read one non-scalar array (the two words) into one
     # kernel per shape, with an output per array, distinct for every count of arrays.
-    first, second = jax.lax.optimization_barrier((words[0], words[1]))  # type: ignore[no-untyped-call]
-    return jax.random.key_data(next_key), jnp.stack([first, second])
+    scalars = jax.lax.optimization_barrier((words[0], words[1]))  # type: ignore[no-untyped-call]
+    return jax.random.key_data(next_key), jnp.stack(scalars)
 
 
 def _check_choice(name: str, arg: str, value: Any, choices: Tuple[str, ...]) -> str:
