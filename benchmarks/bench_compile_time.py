@@ -39,6 +39,7 @@ JSON to ``benchmarks/results/bench_compile_time.json``.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -117,7 +118,7 @@ def worker(target: str, layers: int, d: int, reps: int) -> Dict[str, Any]:
     on_device = harness.callbacks_on_device if target == "h100" else contextlib.nullcontext
     if target != "h100":
         harness.warm_up_compiler()
-    out: Dict[str, Any] = {"kind": kind, "library": os.path.dirname(jmp_policy.__file__),
+    out: Dict[str, Any] = {"kind": kind, "library": os.path.dirname(inspect.getfile(jmp_policy)),
                            "rows": {r: {"compile_s": [], "compile_cpu_s": [], "lower_s": []}
                                     for r in RECIPES}}
     for rep in range(reps):
