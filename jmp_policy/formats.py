@@ -65,6 +65,7 @@ class Format(NamedTuple):
     Attributes:
       dtype: the numpy dtype.
       mantissa: explicit mantissa bits (3 for ``float8_e4m3fn``).
+      exponent_bits: exponent bits (4).
       min_exponent: exponent of the smallest normal value (-6: ``2**-6``).
       max: the largest finite value (448).
       overflow: what a value that rounds beyond ``max`` becomes: ``"inf"``
@@ -75,6 +76,7 @@ class Format(NamedTuple):
 
     dtype: np.dtype[Any]
     mantissa: int
+    exponent_bits: int
     min_exponent: int
     max: float
     overflow: Literal["inf", "nan", "saturate"]
@@ -115,7 +117,8 @@ def format_of(dtype: Any) -> Format:
         beyond = float(np.array(np.inf, _F32).astype(dtype).astype(_F32))
     overflow: Literal["inf", "nan", "saturate"] = (
         "inf" if math.isinf(beyond) else "nan" if math.isnan(beyond) else "saturate")
-    return Format(dtype, int(info.nmant), int(info.minexp), float(info.max), overflow)
+    return Format(dtype, int(info.nmant), int(info.nexp), int(info.minexp), float(info.max),
+                  overflow)
 
 
 def _power_of_two(exponent: int) -> np.float32:
@@ -141,14 +144,17 @@ def round_nearest(x: Any, dtype: Any) -> jax.Array:
 def _round_nearest(x: jax.Array, *, dtype: np.dtype[Any]) -> jax.Array:
     """`round_nearest`, in operations that no compiler rewrite of conversions removes."""
     fmt = format_of(dtype)
-    # Normal values: the mantissa rounded, float32's exponent range kept (no flushing).
-    rounded = lax.reduce_precision(x, exponent_bits=8, mantissa_bits=fmt.mantissa)
-    if not fmt.f32_range:  # subnormals: multiples of the smallest, rounded as integers
+    # Normal values. An IEEE format's own exponent range gives its overflow to inf;
+    # the others keep float32's (nothing overflows) and overflow as `_overflowed` says.
+    ieee = fmt.overflow == "inf"
+    rounded = lax.reduce_precision(x, exponent_bits=fmt.exponent_bits if ieee else 8,
+                                   mantissa_bits=fmt.mantissa)
+    if not fmt.f32_range:  # subnormals (flushed above): multiples of the smallest, as integers
         k = fmt.mantissa - fmt.min_exponent
         sub = lax.mul(lax.round(lax.mul(x, _power_of_two(k)), lax.RoundingMethod.TO_NEAREST_EVEN),
                       _power_of_two(-k))
         rounded = lax.select(lax.abs(x) < np.float32(fmt.tiny), sub, rounded)
-    return _overflowed(x, rounded, fmt)
+    return rounded if ieee else _overflowed(x, rounded, fmt)
 
 
 rounding_p = Primitive("round_to_format")
@@ -164,12 +170,11 @@ ad.defjvp(rounding_p, lambda tangent, x, *, dtype: tangent)  # type: ignore[no-u
 
 def _overflowed(x: jax.Array, rounded: jax.Array, fmt: Format) -> jax.Array:
     """``rounded`` (on ``fmt``'s unbounded grid) with what lies beyond ``fmt.max`` made what
-    a conversion makes of it; NaN inputs give what a conversion gives them."""
+    a conversion to a format without inf makes of it; NaN inputs give what a conversion
+    gives them."""
     top = np.float32(fmt.max)
-    beyond = lax.abs(rounded) > top  # false for NaN, which stays NaN
-    if fmt.overflow == "inf":
-        return lax.select(beyond, jnp.copysign(jnp.full_like(rounded, np.inf), x), rounded)
     if fmt.overflow == "nan":
+        beyond = lax.abs(rounded) > top  # false for NaN, which stays NaN
         return lax.select(beyond, jnp.full_like(rounded, np.nan), rounded)
     # Saturating formats have no NaN either: XLA's conversion makes it -0.
     saturated = lax.clamp(-top, rounded, top)
