@@ -51,7 +51,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["Format", "format_of", "round_nearest", "round_stochastic", "widen", "encode",
+__all__ = ["Format", "format_of", "grid", "round_nearest", "round_stochastic", "widen", "encode",
            "random_bits", "seed_from_values"]
 
 _F32 = np.dtype(np.float32)
@@ -62,8 +62,12 @@ _MANTISSA_BITS = 23  # float32's
 class Format(NamedTuple):
     """A floating format's grid, as far as rounding to it needs.
 
+    The formats of dtypes come from `format_of`; `grid` describes one with no dtype
+    (the 4-bit codes of ``quantize_state``), which `round_nearest` and
+    `round_stochastic` round to as well.
+
     Attributes:
-      dtype: the numpy dtype.
+      dtype: the numpy dtype, or ``None`` for a grid with no dtype.
       mantissa: explicit mantissa bits (3 for ``float8_e4m3fn``).
       exponent_bits: exponent bits (4).
       min_exponent: exponent of the smallest normal value (-6: ``2**-6``).
@@ -74,7 +78,7 @@ class Format(NamedTuple):
         float4_e2m1fn, whose conversion clamps to the largest value).
     """
 
-    dtype: np.dtype[Any]
+    dtype: Optional[np.dtype[Any]]
     mantissa: int
     exponent_bits: int
     min_exponent: int
@@ -98,14 +102,28 @@ class Format(NamedTuple):
         return self.min_exponent <= -126
 
 
+def grid(mantissa: int, min_exponent: int, largest: float) -> Format:
+    """The grid of a float format with ``mantissa`` bits whose smallest normal value is
+    ``2 ** min_exponent`` (below it, the subnormals' even spacing), up to ``largest``,
+    where it saturates. A grid of no mantissa bits holds the powers of two (and zero).
+
+    >>> g = grid(1, 0, 6.0)                        # 1, 1.5, 2, 3, 4, 6 and 0.5 below 1
+    >>> round_nearest(jnp.array([1.2, 2.6, 0.3, 9.0]), g).tolist()
+    [1.0, 3.0, 0.5, 6.0]
+    """
+    return Format(None, mantissa, 8, min_exponent, float(largest), "saturate")
+
+
 @functools.lru_cache(maxsize=None)
 def format_of(dtype: Any) -> Format:
-    """The `Format` of a floating dtype narrower than float32.
+    """The `Format` of a floating dtype narrower than float32 (a `Format` as it is).
 
     >>> fmt = format_of(jnp.float8_e4m3fn)
     >>> fmt.mantissa, fmt.min_exponent, fmt.max, fmt.overflow, fmt.smallest
     (3, -6, 448.0, 'nan', 0.001953125)
     """
+    if isinstance(dtype, Format):
+        return dtype
     dtype = np.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize >= 4:
         raise ValueError(f"format_of takes a floating dtype narrower than float32, got {dtype}.")
@@ -130,20 +148,20 @@ def round_nearest(x: Any, dtype: Any) -> jax.Array:
     the value ``x.astype(dtype)`` holds, bit for bit, including subnormals, overflow
     (inf, NaN or the largest value: `Format.overflow`), infs and NaNs.
 
-    One operation of its own in a jaxpr (`rounding_p`), which tools that look at a
-    program (the numerics inspector) recognize as a rounding to ``dtype``.
+    ``dtype`` may also be a `Format` (a `grid` with no dtype). One operation of its own
+    in a jaxpr (`rounding_p`), which tools that look at a program (the numerics
+    inspector) recognize as a rounding to ``dtype``.
 
     >>> import jax.numpy as jnp
     >>> round_nearest(jnp.array([0.25, 0.75, 7.0, jnp.inf]), jnp.float4_e2m1fn).tolist()
     [0.0, 1.0, 6.0, 6.0]
     """
-    fmt = format_of(dtype)
-    return rounding_p.bind(lax.convert_element_type(x, _F32), dtype=fmt.dtype)  # type: ignore[no-any-return, no-untyped-call]
+    return rounding_p.bind(lax.convert_element_type(x, _F32), format=format_of(dtype))  # type: ignore[no-any-return, no-untyped-call]
 
 
-def _round_nearest(x: jax.Array, *, dtype: np.dtype[Any]) -> jax.Array:
+def _round_nearest(x: jax.Array, *, format: Format) -> jax.Array:
     """`round_nearest`, in operations that no compiler rewrite of conversions removes."""
-    fmt = format_of(dtype)
+    fmt = format
     # Normal values. An IEEE format's own exponent range gives its overflow to inf;
     # the others keep float32's (nothing overflows) and overflow as `_overflowed` says.
     ieee = fmt.overflow == "inf"
@@ -158,14 +176,14 @@ def _round_nearest(x: jax.Array, *, dtype: np.dtype[Any]) -> jax.Array:
 
 
 rounding_p = Primitive("round_to_format")
-"""`round_nearest` as a primitive: float32 in, float32 out, parameter ``dtype``. Its
-derivative passes the tangent through, as a conversion's does."""
+"""`round_nearest` as a primitive: float32 in, float32 out, parameter ``format`` (a
+`Format`). Its derivative passes the tangent through, as a conversion's does."""
 # JAX's registration functions are untyped.
 rounding_p.def_impl(_round_nearest)  # type: ignore[no-untyped-call]
-rounding_p.def_abstract_eval(lambda x, *, dtype: x)  # type: ignore[no-untyped-call]
+rounding_p.def_abstract_eval(lambda x, *, format: x)  # type: ignore[no-untyped-call]
 mlir.register_lowering(rounding_p, mlir.lower_fun(_round_nearest, multiple_results=False))
 batching.defvectorized(rounding_p)  # type: ignore[no-untyped-call]
-ad.defjvp(rounding_p, lambda tangent, x, *, dtype: tangent)  # type: ignore[no-untyped-call]
+ad.defjvp(rounding_p, lambda tangent, x, *, format: tangent)  # type: ignore[no-untyped-call]
 
 
 def _overflowed(x: jax.Array, rounded: jax.Array, fmt: Format) -> jax.Array:

@@ -280,46 +280,23 @@ def dequantize(x: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- #
-# The codes. Each rounds scaled values ``y`` (within the code's range) to one of
-# their two neighbouring codes: stochastically with random ``bits`` (uint32, see
-# ``formats.random_bits``), else to the nearer one (a tie to the smaller magnitude).
-# Every code's grid is that of a float format, unbounded above: 2**mantissa steps
-# per binade, and below the smallest normal binade the spacing of that binade.
+# The codes. Each rounds scaled values ``y`` (within the code's range) to its grid,
+# the grid of a float format (``formats``): stochastically with random ``bits``
+# (uint32, see ``formats.random_bits``), else to nearest (ties to even).
 # --------------------------------------------------------------------------- #
 
-def _on_grid(magnitude: jax.Array, mantissa: int, min_exponent: int,
-             bits: Optional[jax.Array]) -> jax.Array:
-    """``magnitude`` (non-negative) rounded on the grid of a float format with
-    ``mantissa`` bits and smallest normal binade ``2 ** min_exponent``: up with
-    probability (magnitude - low) / spacing (``bits``), or to nearest."""
-    spacing = _binade(magnitude, min_exponent) * 2.0 ** -mantissa
-    low = jnp.floor(magnitude / spacing) * spacing   # exact: spacing is a power of two
-    if bits is None:
-        up = (magnitude - low) * 2 > spacing
-    else:
-        u = (bits >> 8).astype(jnp.float32) * 2.0 ** -24   # uniform in [0, 1), exactly
-        up = u * spacing < magnitude - low
-    return low + jnp.where(up, spacing, 0.0)
+def _rounded(y: jax.Array, grid: Any, bits: Optional[jax.Array]) -> jax.Array:
+    """``y`` rounded to ``grid`` (a dtype or a ``formats.Format``), as float32."""
+    return (formats.round_nearest(y, grid) if bits is None
+            else formats.round_stochastic(y, grid, bits))
 
 
-def _binade(magnitude: jax.Array, smallest: int) -> jax.Array:
-    """The power of two at or below ``magnitude``, at least ``2 ** smallest`` (exact)."""
-    e = (jax.lax.bitcast_convert_type(magnitude, jnp.int32) >> 23) - 127
-    return _power_of_two(jnp.maximum(e, smallest) + 127)
-
-
-# float8_e4m3fn: 3 mantissa bits, smallest normal 2**-6; below, the subnormals, 2**-9
-# apart. Stochastically, formats.round_stochastic; to nearest, the codes' rule (ties
-# to the smaller magnitude, as the conversion does not).
-_F8_MANTISSA, _F8_MIN_EXPONENT = 3, -6
-_F8_SMALLEST = 2.0 ** (_F8_MIN_EXPONENT - _F8_MANTISSA)
+# float8_e4m3fn's subnormals are 2**-9 apart.
+_F8_SMALLEST = formats.format_of(jnp.float8_e4m3fn).smallest
 
 
 def _float8(y: jax.Array, bits: Optional[jax.Array]) -> jax.Array:
-    if bits is None:
-        rounded = jnp.sign(y) * _on_grid(jnp.abs(y), _F8_MANTISSA, _F8_MIN_EXPONENT, None)
-    else:
-        rounded = formats.round_stochastic(y, jnp.float8_e4m3fn, bits)
+    rounded = _rounded(y, jnp.float8_e4m3fn, bits)
     # Nonzero stays nonzero: the smallest float8 magnitude, with the value's sign.
     rounded = jnp.where((rounded == 0) & (y != 0), jnp.sign(y) * _F8_SMALLEST, rounded)
     return rounded.astype(jnp.float8_e4m3fn)
@@ -333,13 +310,13 @@ def _float8(y: jax.Array, bits: Optional[jax.Array]) -> jax.Array:
 # kernel that reads it rather than store it (benchmarks/bench_xla_gpu_memory.py).
 
 # signed4: bit 3 the sign, bits 0-2 ``k``: 0 for zero, else the magnitude
-# 2**(k - 7), which is the float8_e4m3fn of exponent field k and no mantissa.
-_S4_SMALLEST = -6
+# 2**(k - 7), which is the float8_e4m3fn of exponent field k and no mantissa: the grid
+# of no mantissa bits, the powers of two from 2**-6 to 1, and below them 0.
+_S4_GRID = formats.grid(0, -6, 1.0)
 
 
 def _signed4(y: jax.Array, bits: Optional[jax.Array]) -> jax.Array:
-    # A grid of no mantissa bits: the powers of two from 2**-6, and below it 0.
-    rounded = _on_grid(jnp.minimum(jnp.abs(y), 1.0), 0, _S4_SMALLEST, bits)
+    rounded = jnp.abs(_rounded(y, _S4_GRID, bits))
     k = jnp.where(rounded == 0, 0,
                   (jax.lax.bitcast_convert_type(rounded, jnp.int32) >> 23) - 127 + 7)
     # The int4 of bits (sign, k): k, or k - 8 with the sign.
@@ -361,12 +338,12 @@ def _signed4_values(codes: jax.Array) -> jax.Array:
 # the coarser the grid. In increasing order their float8 bits are consecutive
 # multiples of 4, (c + 23) * 4 for the int4 c = -8 ... 7.
 _N4_SMALLEST, _N4_LARGEST = 1.5, 256.0
+_N4_GRID = formats.grid(1, 0, _N4_LARGEST)  # in [b, 2b): b and 1.5b
 
 
 def _nonnegative4(y: jax.Array, bits: Optional[jax.Array]) -> jax.Array:
     magnitude = jnp.clip(y, _N4_SMALLEST, _N4_LARGEST)  # below: rounds up to it
-    # A grid of one mantissa bit: in [b, 2b), the codes b, 1.5b and 2b.
-    rounded = jnp.minimum(_on_grid(magnitude, 1, 0, bits), _N4_LARGEST)
+    rounded = _rounded(magnitude, _N4_GRID, bits)
     # float32 bits 30-22 (the exponent and the top mantissa bit) count the same
     # steps: 2**0 is 254 there, 1.5 (c = -8) 255.
     bits = jax.lax.bitcast_convert_type(rounded, jnp.int32)

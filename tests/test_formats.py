@@ -107,3 +107,19 @@ def test_format_of_refuses_what_is_not_a_narrow_float():
         formats.format_of(jnp.int8)
     with pytest.raises(ValueError, match="no mantissa"):
         formats.format_of(jnp.float8_e8m0fnu)
+
+
+def test_a_grid_without_a_dtype_rounds_as_the_format_it_describes():
+    """float4_e2m1fn is the grid of one mantissa bit from 1 (subnormal 0.5) up to 6:
+    `grid` describes it without its dtype, and both roundings give the same values."""
+    e2m1, g = jnp.float4_e2m1fn, formats.grid(1, 0, 6.0)
+    x = values(e2m1, n=20_000)
+    x = x[~np.isnan(x)]
+    assert same_bits(formats.round_nearest(x, g), formats.round_nearest(x, e2m1)).all()
+    bits = formats.random_bits(jnp.array([5, 6], jnp.uint32), x.shape)
+    assert same_bits(formats.round_stochastic(x, g, bits),
+                     formats.round_stochastic(x, e2m1, bits)).all()
+    # No mantissa bits: the powers of two from 2**-6 to 1, and zero below.
+    powers = formats.round_nearest(jnp.array([0.7, 0.74, 0.76, 3.0, 0.004, 0.01]),
+                                   formats.grid(0, -6, 1.0))
+    assert powers.tolist() == [0.5, 0.5, 1.0, 1.0, 0.0, 2.0 ** -6]

@@ -513,7 +513,7 @@ class Observer:
         first (``formats.round_nearest``, which makes the cast exact) takes the value before
         that rounding: the cast's row is then the rounding's."""
         if eqn.primitive is formats.rounding_p:
-            self._rounded[id(outs[0])] = (outs[0], invals[0], eqn.params["dtype"])
+            self._rounded[id(outs[0])] = (outs[0], invals[0], eqn.params["format"].dtype)
         elif eqn.primitive.name == "convert_element_type":
             found = self._rounded.get(id(invals[0]))
             if found is not None and found[0] is invals[0] and \
