@@ -52,7 +52,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 __all__ = ["Format", "format_of", "grid", "round_nearest", "round_stochastic", "widen", "encode",
-           "random_bits", "seed_from_values"]
+           "random_bits", "salted_bits", "seed_from_values"]
 
 _F32 = np.dtype(np.float32)
 _U32 = np.uint32
@@ -327,6 +327,12 @@ def random_bits(seed: jax.Array, shape: tuple[int, ...],
     if salt is not None:
         counter = lax.bitwise_xor(counter, lax.convert_element_type(salt, _U32))
     return _mix(counter)
+
+
+def salted_bits(seed: jax.Array, x: jax.Array) -> jax.Array:
+    """`random_bits` for rounding float32 ``x`` with ``seed``, salted with ``x``'s own bits:
+    one seed then serves every array a step rounds (see `random_bits`)."""
+    return random_bits(seed, jnp.shape(x), lax.bitcast_convert_type(x, _U32))
 
 
 def seed_from_values(x: Any, salt: int) -> jax.Array:

@@ -344,7 +344,7 @@ def _kahan_step(p: jax.Array, update: jax.Array, c: jax.Array) -> Tuple[jax.Arra
     # The small terms first, so that an update far below the weight's
     # precision still adds to the compensation.
     total = p.astype(jnp.float32) + (c.astype(jnp.float32) + update)
-    to_new = _update_to(p, _rounded(total, p.dtype))
+    to_new = _update_to(p, formats.encode(total, p.dtype))
     new = _applied(p, to_new)
     # ``total - new`` is exact in float32 (the two are within a rounding of
     # each other); it is measured against the weight apply_updates gives, so
@@ -412,12 +412,7 @@ def _update_to(p: jax.Array, new: jax.Array) -> jax.Array:
 
 def _applied(p: jax.Array, update: jax.Array) -> jax.Array:
     """What ``optax.apply_updates`` makes of ``p`` and a float32 ``update``."""
-    return _rounded(p.astype(jnp.float32) + update, p.dtype)
-
-
-def _rounded(x: jax.Array, dtype: Any) -> jax.Array:
-    """``x.astype(dtype)``, with a rounding XLA keeps when the result is widened again."""
-    return formats.round_nearest(x, dtype).astype(dtype)
+    return formats.encode(p.astype(jnp.float32) + update, p.dtype)
 
 
 def _bits(x: jax.Array) -> jax.Array:
@@ -428,8 +423,7 @@ def _stochastic_round(x: jax.Array, dtype: Any, seed: jax.Array) -> jax.Array:
     """Float32 ``x`` in ``dtype``, rounded stochastically (``formats.round_stochastic``:
     for bfloat16, random bits added below its mantissa and dropped) with bits from
     ``seed``, salted with the bits of ``x`` (see ``formats.random_bits``)."""
-    salt = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return formats.encode(x, dtype, formats.random_bits(seed, x.shape, salt))
+    return formats.encode(x, dtype, formats.salted_bits(seed, x))
 
 
 def _split_float32(x: jax.Array) -> Tuple[jax.Array, jax.Array]:

@@ -250,8 +250,7 @@ def quantize(x: Any, block_size: int, code: str = FLOAT8,
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
     y = blocks * _power_of_two(254 - exponents.astype(jnp.int32))[..., None]
     # Salted with the values' bits: one seed serves every array of a step.
-    bits = (None if seed is None else
-            formats.random_bits(seed, y.shape, jax.lax.bitcast_convert_type(y, jnp.uint32)))
+    bits = None if seed is None else formats.salted_bits(seed, y)
     if code == FLOAT8:
         values = _float8(y, bits)
     else:

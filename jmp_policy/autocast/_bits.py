@@ -16,7 +16,7 @@ it vectorizes (and which cost GPUs nothing more). For a float32 magnitude
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,26 +29,14 @@ I32 = np.int32
 INF_BITS = I32(0x7F800000)
 
 
-def magnitude_bits(x: Any, one: Optional[Any] = None) -> jax.Array:
+def magnitude_bits(x: Any) -> jax.Array:
     """The bits of ``|x|`` as a float32 (int32).
 
     A narrow ``x`` is read with ``formats.widen``: statistics of its values stay
     those of its format where the compiler removes the round trip to it.
-
-    ``one``, if given, is a float32 one that XLA cannot see, multiplied in
-    first: statistics of a constant (a broadcast zero, a mask) would otherwise
-    be evaluated at compile time, which takes seconds for large ones. (Exact:
-    ``x * 1`` is ``x``, infs and NaNs included.)
     """
-    x32 = formats.widen(x) if _narrow_float(x) else lax.convert_element_type(x, np.float32)
-    if one is not None:
-        x32 = lax.mul(x32, one)
+    x32 = lax.convert_element_type(formats.widen(x), np.float32)
     return lax.bitcast_convert_type(x32, I32) & I32(0x7FFFFFFF)
-
-
-def _narrow_float(x: Any) -> bool:
-    dtype = jnp.result_type(x)
-    return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype.itemsize < 4
 
 
 def unfoldable(x: Any) -> jax.Array:

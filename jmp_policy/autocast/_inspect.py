@@ -610,10 +610,7 @@ _F16 = np.dtype(np.float16)
 def widened(x: Any) -> Any:
     """``x`` at float32 at least, if floating (float64 stays float64); a narrow ``x`` with
     its rounding in place (``formats.widen``), which no compiler rewrite removes."""
-    if not is_floating(x):
-        return x
-    return formats.widen(x) if represents(F32, dtype_of(x)) and dtype_of(x) != F32 \
-        else convert(x, join(dtype_of(x), F32))
+    return convert(formats.widen(x), join(dtype_of(x), F32)) if is_floating(x) else x
 
 
 def _preserves_values(eqn: JaxprEqn) -> bool:
