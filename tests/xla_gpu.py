@@ -39,10 +39,11 @@ _BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir
 def plugin_missing() -> Optional[str]:
     """Why the tier cannot run here, or None. Looks the plugin up without importing it,
     so the ordinary suite pays nothing."""
-    if importlib.util.find_spec("jax_plugins") is None or \
-            importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if importlib.util.find_spec("jax_plugins") is None:
         return SKIP_REASON
-    return None
+    if any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13)):
+        return None
+    return SKIP_REASON
 
 
 requires_plugin = pytest.mark.skipif(plugin_missing() is not None, reason=SKIP_REASON)
@@ -74,7 +75,9 @@ def benchmark(name: str) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def h100() -> Any:
-    """The sharding of one deviceless H100."""
+    """The sharding of one deviceless H100; on a machine with a GPU, of that GPU."""
+    if jax.default_backend() == "gpu":
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
     try:
         return harness.h100_sharding()
     except NotImplementedError as e:  # the plugin did not register: its version check failed
