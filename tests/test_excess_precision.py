@@ -30,12 +30,19 @@ def assert_same(got, want):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+def round_trip_compiled(x, dtype):
+    """What plain ``jit`` computes for ``x.astype(dtype).astype(float32)`` on this machine:
+    XLA:CPU rounds (the emulation's reason to exist); on a GPU machine XLA:GPU removes the
+    round trip, which the tests then check the emulation against."""
+    return x if jax.default_backend() == "gpu" else rounded(x, dtype)
+
+
 # --- rule 1: chains of conversions ----------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [F8, BF16, F16, jnp.float4_e2m1fn])
 def test_a_round_trip_is_its_input(dtype):
     assert_same(gpu(lambda x: x.astype(dtype).astype(F32), X), X)
-    assert_same(jax.jit(lambda x: x.astype(dtype).astype(F32))(X), rounded(X, dtype))
+    assert_same(jax.jit(lambda x: x.astype(dtype).astype(F32))(X), round_trip_compiled(X, dtype))
 
 
 def test_a_chain_rounds_to_its_last_dtype_only():
@@ -177,7 +184,7 @@ NESTED = {
 
 @pytest.mark.parametrize("nested", list(NESTED.values()), ids=list(NESTED))
 def test_nested_jaxprs_are_rewritten(nested):
-    assert_same(jax.jit(nested)(X), rounded(X, F8))
+    assert_same(jax.jit(nested)(X), round_trip_compiled(X, F8))
     assert_same(gpu(nested, X), X)
 
 
