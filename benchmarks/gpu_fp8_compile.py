@@ -13,6 +13,11 @@ Commands (from the repository root)::
 
     python benchmarks/gpu_fp8_compile.py --limit 90          # on a GPU
     python benchmarks/gpu_fp8_compile.py --smoke             # anywhere (tiny sizes)
+    python benchmarks/gpu_fp8_compile.py --kinds rowwise \
+        --flags no-fusion-autotuner,no-cublas-fallback,default --autotune-logs /tmp/at
+
+The two further flag sets and the autotuning logs separate the autotuning that costs
+rowwise its minutes (benchmarks/results/rowwise_compile_2026-11-27.md).
 
 JSON lines to stdout, and ``--json PATH``.
 """
@@ -32,6 +37,11 @@ FLAG_SETS = {
     "default": "",
     "autotune-0": "--xla_gpu_autotune_level=0",
     "no-triton-gemm": "--xla_gpu_enable_triton_gemm=false",
+    # Added after rowwise_compile_2026-11-27.md: the autotuner of the fusions that are not
+    # GEMMs (native against Triton block-level emitter, on reductions and transposes), and
+    # the cuBLAS(Lt) candidates of each Triton GEMM fusion, each off on its own.
+    "no-fusion-autotuner": "--xla_gpu_experimental_enable_fusion_autotuner=false",
+    "no-cublas-fallback": "--xla_gpu_cublas_fallback=false",
 }
 
 
@@ -69,6 +79,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--limit", type=float, default=120.0, help="seconds per compile")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--autotune-logs", metavar="DIR",
+                        help="XLA's autotuning log of each compile to DIR/<kind>-<flags>.txt "
+                             "(--xla_gpu_dump_autotune_logs_to): what it tried, per fusion")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
     if a.worker:
@@ -80,6 +93,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                 [os.path.dirname(BENCHMARKS), BENCHMARKS]))
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FLAG_SETS[flags]).strip()
+            if a.autotune_logs:
+                os.makedirs(a.autotune_logs, exist_ok=True)
+                log = os.path.join(os.path.abspath(a.autotune_logs), f"{kind}-{flags}.txt")
+                env["XLA_FLAGS"] += f" --xla_gpu_dump_autotune_logs_to={log}"
             command = [sys.executable, os.path.abspath(__file__), "--worker", kind]
             command += ["--smoke"] if a.smoke else []
             t0 = time.perf_counter()
