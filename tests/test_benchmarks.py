@@ -123,3 +123,81 @@ def test_scripts_use_the_public_api_and_leave_sys_path_alone():
         assert not re.search(r"sys\.path\s*(\.\s*(insert|append|extend)|\+?=|\[)", source), name
         assert not re.search(r"jmp_policy(\.\w+)*\._\w+|from\s+jmp_policy[\w.]*\s+import[^\n]*"
                              r"\b_[a-z]\w*", source), name
+
+
+# --- benchmarks/roofline.py ------------------------------------------------------------------
+
+_ROOFLINE_HLO = """HloModule m
+
+%gemm_body (p0: f8e4m3fn[8,16], p1: f8e4m3fn[16,32]) -> f32[8,32] {
+  %p0 = f8e4m3fn[8,16]{1,0} parameter(0)
+  %p1 = f8e4m3fn[16,32]{1,0} parameter(1)
+  ROOT %d = f32[8,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: bf16[8,16], b: bf16[16,32], c: f8e4m3fn[8,16], e: f8e4m3fn[16,32]) -> f32[8,32] {
+  %a = bf16[8,16]{1,0} parameter(0)
+  %b = bf16[16,32]{1,0} parameter(1)
+  %c = f8e4m3fn[8,16]{1,0} parameter(2)
+  %e = f8e4m3fn[16,32]{1,0} parameter(3)
+  %g = (bf16[8,32]{1,0}, s8[1024]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %x = bf16[8,32]{1,0} get-tuple-element(%g), index=0
+  %t = f32[8,32]{1,0} fusion(%c, %e), kind=kCustom, calls=%gemm_body
+  %y = f32[8,32]{1,0} convert(%x)
+  ROOT %s = f32[8,32]{1,0} add(%y, %t)
+}
+"""
+
+
+def test_roofline_reads_gemms_and_bytes_of_a_known_module():
+    """Without the CUDA plugin: a cuBLAS call and a Triton GEMM fusion are GEMMs of
+    2*M*N*K FLOPs, split by operand type; bytes are operands + result (no workspace)."""
+    import xla_gpu  # loads benchmarks/ modules by path
+
+    xla_gpu.benchmark("gpu_fp8")
+    roofline = xla_gpu.benchmark("roofline")
+    ks = {k.name: k for k in roofline.kernels(_ROOFLINE_HLO)}
+    assert list(ks) == ["g", "t", "y", "s"]
+    assert (ks["g"].flops, ks["g"].gemm_dtype, ks["g"].bytes) == (2 * 8 * 32 * 16, "bf16", 1792)
+    assert (ks["t"].flops, ks["t"].gemm_dtype, ks["t"].bytes) == (2 * 8 * 32 * 16, "f8", 1664)
+    assert not ks["y"].is_gemm and ks["s"].bytes == 3 * 1024
+    roofline.check_bytes(list(ks.values()), _ROOFLINE_HLO)  # = kernel_bytes less the workspace
+    m = roofline.Machine(bf16_flops=1e12, bandwidth=1e9, launch_s=1e-6)
+    f = roofline.predict(list(ks.values()), m)
+    assert f["f8_gemm_flops"] == f["gemm_flops"] / 2 and f["kernels"] == 4
+    # GEMMs this small are byte-bound: each costs its bytes at the bandwidth.
+    assert f["gemm_s"] == pytest.approx((1792 + 1664) / 1e9)
+    assert f["predicted_s"] == pytest.approx(f["gemm_s"] + f["other_s"] + 4e-6)
+
+
+def _requires_cuda_plugin(test):
+    import xla_gpu
+
+    return pytest.mark.xla_gpu(xla_gpu.requires_plugin(test))
+
+
+@_requires_cuda_plugin
+def test_roofline_smoke_run(tmp_path):
+    """``roofline.py --smoke`` compiles gpu_fp8's MLP block for an H100 (no GPU) and
+    reports six GEMMs per program, all float8 under a float8 recipe."""
+    import subprocess
+
+    out = tmp_path / "roofline.json"
+    root = os.path.dirname(BENCHMARKS)
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(root),
+           "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+    proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "roofline.py"), "--smoke",
+                           "--json", str(out)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    tables = {t["id"]: t for t in data["tables"]}
+    d, tokens = 64, 2 * 32  # gpu_fp8.SIZES["smoke"]
+    for program in ("train", "grad"):
+        rows = {r["name"]: r["figures"] for r in tables[program]["rows"]}
+        assert list(rows) == ["bfloat16", "fp8 tensorwise", "fp8 rowwise"]
+        for name, f in rows.items():
+            assert f["gemms"] == 6 and f["gemm_flops"] == 6 * 2 * tokens * d * 4 * d
+            assert f["f8_share"] == (0.0 if name == "bfloat16" else 1.0)
+            assert f["predicted_s"] > 0 and f["kernels"] > f["gemms"]
+    assert "roles-tensorwise" in tables and "largest-rowwise" in tables

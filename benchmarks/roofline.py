@@ -1,0 +1,486 @@
+"""A roofline of the float8 GPU programs, from a deviceless H100 compile: where the step time goes.
+
+Issue 36 asks where the time of ``gpu_fp8.py``'s float8 MLP block goes: on an
+H100 (2026-11-25) float8 saved ~1 ms of a ~10 ms step where its GEMMs alone
+should save ~4 ms. A GPU is not always at hand, so this script predicts a
+program's step time from its optimized H100 program, compiled without a GPU
+(JAX's ahead-of-time path, `harness.h100_sharding`), and checks the prediction
+against the H100's measurements before using it to say where the time goes.
+
+The model, per kernel of the optimized HLO (every top-level instruction that
+launches work, as `harness.kernel_bytes` counts them):
+
+* a GEMM (a cuBLAS/cuBLASLt custom call, or a fusion holding a ``dot``, as a
+  Triton GEMM): ``2 * M * N * K`` FLOPs (from its operands' shapes and dot
+  dimension numbers) at the dense peak of its operand type, or its bytes at the
+  memory bandwidth, whichever is slower;
+* any other kernel: the bytes it reads and writes (operands and result, as
+  `harness.kernel_bytes`) at the memory bandwidth;
+* every kernel, GEMMs included: a fixed launch overhead.
+
+The parameters (`Machine`) are figures measured on this workplace's H100s,
+not datasheet peaks: bfloat16 GEMMs at 798 TFLOP/s (an 8192^3 matrix product,
+`/work/.library/device/KINDS.md`), float8 at twice that (the datasheet's
+float8/bfloat16 ratio; not measured here), TF32 at half of it, 3.0 TB/s
+device-to-device counting bytes read and written, and 2.5 us per kernel (a
+CUDA launch plus the gap between kernels that XLA's stream leaves; not
+measured). ``gemm_efficiency`` scales both GEMM peaks (1.0 = the measured
+8192^3 rate); ``--fit-gemm-efficiency`` fits it on the bfloat16 train step
+(the only fitted figure, reported as such).
+
+A deviceless compile does not autotune: XLA makes every GEMM a Triton fusion
+with a default tiling. On the H100 the autotuner chose cuBLAS(Lt) for all six
+GEMMs of every case (``gpu_fp8.log``), so by default the programs are compiled
+with Triton GEMMs off (``xla_gpu_enable_triton_gemm=false``), which is what
+XLA does when cuBLAS wins; ``--triton-gemm`` keeps XLA's defaults. The H100's
+run used jax 0.11.2 and the CUDA 13 plugin; this compile uses whatever JAX the
+environment has (0.10.2 and CUDA 12 in /tmp/gpuvenv): its fusion decisions
+may differ a little.
+
+Output: a markdown table per program (GEMM FLOPs, float8 share, bytes of GEMM
+and other kernels, kernels, predicted time by term, the H100's measured time
+and the error) and the largest non-GEMM kernels per float8 case, what each
+does; JSON in ``benchmarks/results/roofline.json``.
+
+Commands (from the repository root; needs JAX's CUDA plugin, no GPU)::
+
+    PYTHONPATH=. /tmp/gpuvenv/bin/python benchmarks/roofline.py           # ~1 min
+    PYTHONPATH=. /tmp/gpuvenv/bin/python benchmarks/roofline.py --smoke   # tiny sizes
+"""
+
+from __future__ import annotations
+
+import os
+
+# Without a GPU the CUDA plugin's version check fails (no driver); the
+# deviceless compile needs only the plugin's compiler.
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+from typing import Any, Dict, List, Optional, Sequence, Tuple  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import gpu_fp8  # noqa: E402
+import harness  # noqa: E402
+
+# --------------------------------------------------------------------------- #
+# The machine: what the model charges for FLOPs, bytes and kernels.
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """An H100 SXM as the model sees it (figures measured on this workplace's H100s
+    where there is one; see the module's docstring)."""
+
+    bf16_flops: float = 798e12      # dense bfloat16 GEMM, FLOP/s (8192^3, measured)
+    fp8_ratio: float = 2.0          # float8 peak / bfloat16 peak (datasheet ratio)
+    f32_ratio: float = 0.5          # TF32 peak / bfloat16 peak (datasheet ratio)
+    bandwidth: float = 3.0e12       # bytes read + written per second (measured copy)
+    launch_s: float = 2.5e-6        # per kernel: launch and inter-kernel gap
+    gemm_efficiency: float = 1.0    # achieved / peak GEMM rate at these shapes
+
+    def gemm_rate(self, dtype: str) -> float:
+        ratio = {"f8": self.fp8_ratio, "bf16": 1.0, "f16": 1.0}.get(dtype, self.f32_ratio)
+        return self.bf16_flops * ratio * self.gemm_efficiency
+
+
+# --------------------------------------------------------------------------- #
+# Kernels of an optimized HLO module.
+# --------------------------------------------------------------------------- #
+
+# Top-level instructions that launch nothing (as harness.kernel_bytes skips them).
+FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all",
+        "opt-barrier", "partition-id", "replica-id", "while", "conditional", "call"}
+CUBLAS = re.compile(r'custom_call_target="(__cublas[^"]*)"')
+# A cuBLAS call's second result is its workspace, scratch memory rather than traffic.
+CALLED = re.compile(r"(?:body|condition|to_apply|true_computation|false_computation)="
+                    r"%?([\w.\-]+)")
+WORKSPACE = re.compile(r",?\s*s8\[\d+\]\{0\}\)$")
+
+
+@dataclasses.dataclass
+class Kernel:
+    """One launch: what it is, its GEMM FLOPs (0 for other kernels) and its bytes."""
+
+    name: str
+    opcode: str
+    shape: str
+    op_name: str            # the JAX operation it came from (HLO metadata)
+    bytes: float            # operands + result, as harness.kernel_bytes counts them
+    flops: float = 0.0
+    gemm_dtype: str = ""    # "f8", "bf16", "f32": the GEMM's operand type; "" if no GEMM
+    role: str = ""
+
+    @property
+    def is_gemm(self) -> bool:
+        return bool(self.gemm_dtype)
+
+
+def shape_bytes(shape: str) -> float:
+    """Bytes of an HLO type, a tuple's elements summed (``f8e4m3fn[2,4]`` -> 8)."""
+    total = 0.0
+    for dtype, dims in re.findall(r"([a-z][a-z0-9]*)\[([\d,]*)\]", shape):
+        bits = 8 if dtype == "pred" else int(re.search(r"\d+", dtype).group())
+        total += math.prod(int(d) for d in dims.split(",") if d) * bits / 8
+    return total
+
+
+def dims_of(shape: str) -> Tuple[str, List[int]]:
+    """``"f32[8,16]{1,0}"`` -> ``("f32", [8, 16])``; the first array of a tuple."""
+    m = re.search(r"([a-z][a-z0-9]*)\[([\d,]*)\]", shape)
+    return m.group(1), [int(d) for d in m.group(2).split(",") if d]
+
+
+def operand_type(dtype: str) -> str:
+    return "f8" if dtype.startswith("f8") else dtype
+
+
+def dot_flops(out_shape: str, lhs_shape: str, contracting: Sequence[int]) -> float:
+    """2 x output elements x contracted length: 2*M*N*K, batch dimensions included."""
+    _, out = dims_of(out_shape)
+    _, lhs = dims_of(lhs_shape)
+    return 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting)
+
+
+def cublas_gemm(inst: Any, shapes: Dict[str, str]) -> Tuple[float, str]:
+    """FLOPs and operand type of a cuBLAS(Lt) custom call, from its backend config."""
+    numbers = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.attributes)
+    contracting = [int(d) for d in re.findall(r"\d+", numbers.group(1))]
+    lhs = shapes[inst.operands[0]]
+    return (dot_flops(inst.shape, lhs, contracting),
+            operand_type(dims_of(lhs)[0]))
+
+
+def fused_gemm(inst: Any, bodies: Dict[str, List[Any]], shapes: Dict[str, str]
+               ) -> Tuple[float, str]:
+    """FLOPs and operand type of the ``dot`` s inside a fusion (a Triton GEMM), nested
+    fusions followed; (0, "") when it holds none."""
+    flops, dtype, todo = 0.0, "", re.findall(r"calls=%?([\w.\-]+)", inst.attributes)
+    while todo:
+        for i in bodies.get(todo.pop(), []):
+            todo += re.findall(r"calls=%?([\w.\-]+)", i.attributes) if i.opcode == "fusion" else []
+            if i.opcode != "dot":
+                continue
+            contracting = [int(d) for d in re.findall(
+                r"\d+", re.search(r"lhs_contracting_dims=\{([\d,]*)\}", i.attributes).group(1))]
+            lhs = shapes[i.operands[0]]
+            flops += dot_flops(i.shape, lhs, contracting)
+            dtype = operand_type(dims_of(lhs)[0])
+    return flops, dtype
+
+
+def launch_computations(instructions: Sequence[Any], text: str) -> set:
+    """The entry computation and the bodies of its loops, branches and calls: where
+    kernels are launched from (a reduction's ``to_apply`` region is no launch)."""
+    entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", text, re.M).group(1)
+    found, todo = set(), [entry]
+    by_computation = collections.defaultdict(list)
+    for i in instructions:
+        by_computation[i.computation].append(i)
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        for i in by_computation[name]:
+            if i.opcode in ("while", "conditional", "call"):
+                todo += CALLED.findall(i.attributes)
+                branches = re.search(r"branch_computations=\{([^}]*)\}", i.attributes)
+                todo += re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches else []
+    return found
+
+
+def kernels(text: str) -> List[Kernel]:
+    """Every kernel an optimized HLO module launches, with its FLOPs, bytes and role.
+    Loop bodies count once, as in `harness.kernel_bytes`."""
+    instructions = harness.parse_hlo(text)
+    shapes = {i.name: i.shape for i in instructions}
+    bodies = collections.defaultdict(list)
+    for i in instructions:
+        bodies[i.computation].append(i)
+    launching = launch_computations(instructions, text)
+    out = []
+    for i in instructions:
+        if i.computation not in launching or i.opcode in FREE:
+            continue
+        op_name = re.search(r'op_name="([^"]*)"', i.attributes)
+        target = CUBLAS.search(i.attributes) if i.opcode == "custom-call" else None
+        result = WORKSPACE.sub(")", i.shape) if target else i.shape
+        k = Kernel(i.name, i.opcode, result, op_name.group(1) if op_name else "",
+                   shape_bytes(result) + sum(shape_bytes(shapes.get(o, "")) for o in i.operands))
+        if target:
+            k.flops, k.gemm_dtype = cublas_gemm(i, shapes)
+        elif i.opcode == "fusion":
+            k.flops, k.gemm_dtype = fused_gemm(i, bodies, shapes)
+        k.role = role(k)
+        out.append(k)
+    return out
+
+
+def role(k: Kernel) -> str:
+    """What a kernel does, read off its result types, XLA's fusion name and the JAX
+    operation it came from (a heuristic, for the tables of where the bytes go)."""
+    if k.is_gemm:
+        return f"GEMM ({k.gemm_dtype})"
+    op = k.op_name.rsplit("/", 1)[-1]
+    results = re.findall(r"([a-z][a-z0-9]*)\[([\d,]*)\]", k.shape)
+    largest = max((math.prod(int(d) for d in dims.split(",") if d) for _, dims in results),
+                  default=0)
+    if any(t.startswith("f8") for t, _ in results):
+        return "quantize to float8" + (" + transposed copy" if "transpose" in k.name else "") \
+            + (" + partial amax" if "reduce" in k.name else "")
+    if all(t == "pred" for t, _ in results):
+        return "rounding masks (pred) of a weight's quantization"
+    if k.op_name and "jvp(" not in k.op_name:  # outside the differentiated loss
+        return "optimizer update (AdamW)"
+    if k.opcode == "copy":
+        return "copy"
+    if op == "reduce_max" or (largest <= 1 << 16 and k.bytes > 1 << 24):
+        return "amax pass (also writes the f32 tensor it reduces)" if largest > 1 << 16 \
+            else "amax pass"
+    if largest <= 1 << 16:
+        return "scale arithmetic (tiny kernels)"
+    if "tanh" in k.name:
+        return "GELU (+ casts)"
+    if "softmax" in k.name or op in ("mean", "rsqrt", "reduce_sum"):
+        return "LayerNorm / its gradient"
+    if op in ("mul", "div") and "transpose(" in k.op_name:
+        return "rescale of a GEMM output (scale_a * scale_b)"
+    if op == "convert_element_type":
+        return "cast to/from bfloat16"
+    return f"other ({op or k.name})"
+
+
+# --------------------------------------------------------------------------- #
+# The model.
+# --------------------------------------------------------------------------- #
+
+def kernel_seconds(k: Kernel, m: Machine) -> float:
+    """A kernel's time without its launch: FLOP-bound or byte-bound, the slower."""
+    bytes_s = k.bytes / m.bandwidth
+    return max(k.flops / m.gemm_rate(k.gemm_dtype), bytes_s) if k.is_gemm else bytes_s
+
+
+def predict(ks: Sequence[Kernel], m: Machine) -> Dict[str, float]:
+    """The figures of one program: FLOPs and bytes by kind, predicted time by term."""
+    gemms = [k for k in ks if k.is_gemm]
+    others = [k for k in ks if not k.is_gemm]
+    return {
+        "gemm_flops": sum(k.flops for k in gemms),
+        "f8_gemm_flops": sum(k.flops for k in gemms if k.gemm_dtype == "f8"),
+        "gemms": len(gemms),
+        "f8_gemms": sum(k.gemm_dtype == "f8" for k in gemms),
+        "gemm_bytes": sum(k.bytes for k in gemms),
+        "other_bytes": sum(k.bytes for k in others),
+        "kernels": len(ks),
+        "gemm_s": sum(kernel_seconds(k, m) for k in gemms),
+        "other_s": sum(kernel_seconds(k, m) for k in others),
+        "launch_s": len(ks) * m.launch_s,
+        "predicted_s": sum(kernel_seconds(k, m) for k in ks) + len(ks) * m.launch_s,
+    }
+
+
+# --------------------------------------------------------------------------- #
+# The programs: gpu_fp8's MLP block, compiled for an H100.
+# --------------------------------------------------------------------------- #
+
+# The H100's step times of 2026-11-25 (benchmarks/results/h100_2026-11-25/gpu_fp8.log),
+# by (program, recipe): what the model must predict within TOLERANCE to be trusted.
+MEASURED = {("train", None): 11.1e-3, ("train", "tensorwise"): 10.1e-3,
+            ("train", "rowwise"): 9.48e-3, ("grad", None): 10.2e-3,
+            ("grad", "tensorwise"): 8.85e-3, ("grad", "rowwise"): 8.25e-3}
+TOLERANCE = 0.15
+PROGRAMS = {"train": "MLP block train step (AdamW)", "grad": "MLP block forward + backward"}
+
+
+def program(which: str, kind: Optional[str], size: dict) -> Tuple[Any, tuple, tuple]:
+    """gpu_fp8's function, abstract arguments and donated arguments, as it measures them."""
+    d, b, t = size["d_model"], size["batch"], size["seq"]
+    p = jax.eval_shape(lambda: gpu_fp8.mlp_params(d))
+    x = jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((b, t, d), jnp.float32)
+    if which == "train":
+        return gpu_fp8.train_step(kind), (p, jax.eval_shape(optax.adamw(1e-4).init, p), x, y), (0, 1)
+    return gpu_fp8.grad_step(kind), (p, x, y), ()
+
+
+def compile_hlo(fn: Any, args: tuple, donate: tuple, sharding: Any,
+                options: Dict[str, Any]) -> str:
+    """The optimized HLO of ``fn`` compiled for the target of ``sharding``."""
+    on = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)  # noqa: E731
+    lowered = jax.jit(fn, donate_argnums=donate).trace(*jax.tree.map(on, args)).lower()
+    return lowered.compile(options).as_text()
+
+
+def fit_gemm_efficiency(ks: Sequence[Kernel], measured: float, m: Machine) -> float:
+    """The GEMM efficiency that makes the model hit ``measured`` on ``ks`` (GEMMs
+    FLOP-bound): what the other terms leave of the time, over the GEMMs' time at peak."""
+    rest = predict(ks, m)
+    gemm_at_peak = sum(k.flops / m.gemm_rate(k.gemm_dtype) for k in ks if k.is_gemm)
+    left = measured - rest["other_s"] - rest["launch_s"]
+    return m.gemm_efficiency * gemm_at_peak / left if left > 0 else float("nan")
+
+
+# --------------------------------------------------------------------------- #
+# Report.
+# --------------------------------------------------------------------------- #
+
+COLUMNS = [
+    harness.Column("predicted_s", "predicted", "s"),
+    harness.Column("measured_s", "H100 measured", "s"),
+    harness.Column("error_pct", "error %", "", ratio=False),
+    harness.Column("gemm_s", "GEMM time", "s"),
+    harness.Column("other_s", "other kernels' time", "s"),
+    harness.Column("launch_s", "launches", "s", ratio=False),
+    harness.Column("gemm_tflop", "GEMM TFLOP", ""),
+    harness.Column("f8_share", "of it float8", "", ratio=False),
+    harness.Column("other_bytes", "other kernels' bytes", "bytes"),
+    harness.Column("gemm_bytes", "GEMM bytes", "bytes"),
+    harness.Column("kernels", "kernels", "count"),
+    harness.Column("predicted_speedup", "predicted speedup", "x"),
+    harness.Column("measured_speedup", "measured speedup", "x"),
+]
+TOP_COLUMNS = [
+    harness.Column("bytes", "bytes read + written", "bytes", ratio=False),
+    harness.Column("time_s", "time at bandwidth", "s", ratio=False),
+]
+ROLE_COLUMNS = [
+    harness.Column("kernels", "kernels", "count", ratio=False),
+    harness.Column("bytes", "bytes read + written", "bytes", ratio=False),
+    harness.Column("time_s", "time (+ launches)", "s", ratio=False),
+]
+
+
+def program_rows(which: str, hlo: Dict[Any, List[Kernel]], m: Machine,
+                 full: bool) -> List[Dict[str, Any]]:
+    """One row per recipe: the model's figures, the measurement and the error."""
+    rows, base = [], predict(hlo[(which, None)], m)["predicted_s"]
+    for kind in gpu_fp8.KINDS:
+        f = predict(hlo[(which, kind)], m)
+        measured = MEASURED.get((which, kind)) if full else None
+        f.update(gemm_tflop=f["gemm_flops"] / 1e12,
+                 f8_share=round(f["f8_gemm_flops"] / f["gemm_flops"], 3) if f["gemm_flops"] else 0.0,
+                 measured_s=measured,
+                 error_pct=round(100 * (f["predicted_s"] / measured - 1), 1) if measured else None,
+                 predicted_speedup=base / f["predicted_s"],
+                 measured_speedup=(MEASURED[(which, None)] / measured) if measured else None)
+        rows.append({"name": gpu_fp8.kind_name(kind), "figures": f})
+    return rows
+
+
+def roles(ks: Sequence[Kernel], m: Machine) -> List[Dict[str, Any]]:
+    """Non-GEMM kernels grouped by what they do, the costliest first."""
+    groups: Dict[str, List[Kernel]] = collections.defaultdict(list)
+    for k in ks:
+        if not k.is_gemm:
+            groups[k.role].append(k)
+    rows = [{"name": r, "figures": {"kernels": len(g), "bytes": sum(k.bytes for k in g),
+                                     "time_s": sum(kernel_seconds(k, m) + m.launch_s for k in g)}}
+            for r, g in groups.items()]
+    return sorted(rows, key=lambda r: -r["figures"]["time_s"])
+
+
+def largest(ks: Sequence[Kernel], m: Machine, n: int) -> List[Dict[str, Any]]:
+    """The ``n`` non-GEMM kernels that move the most bytes."""
+    top = sorted((k for k in ks if not k.is_gemm), key=lambda k: -k.bytes)[:n]
+    return [{"name": f"{k.name}: {k.role}", "note": f"{k.shape[:60]}; {k.op_name[-48:]}",
+             "figures": {"bytes": k.bytes, "time_s": kernel_seconds(k, m)}} for k in top]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, no validation")
+    parser.add_argument("--triton-gemm", action="store_true",
+                        help="XLA's default GEMMs (Triton fusions without autotuning) instead "
+                             "of cuBLAS(Lt), which the H100's autotuner chose")
+    parser.add_argument("--fit-gemm-efficiency", action="store_true",
+                        help="fit the GEMM efficiency on the bfloat16 train step")
+    parser.add_argument("--launch-us", type=float, default=Machine.launch_s * 1e6,
+                        help="launch overhead per kernel, microseconds")
+    parser.add_argument("--fp8-ratio", type=float, default=Machine.fp8_ratio,
+                        help="float8 GEMM rate / bfloat16 GEMM rate")
+    parser.add_argument("--top", type=int, default=8, help="largest non-GEMM kernels listed")
+    parser.add_argument("--json", help="write the report here (default: "
+                        "benchmarks/results/roofline.json; roofline.quick.json with --smoke)")
+    a = parser.parse_args(argv)
+    size = gpu_fp8.SIZES["smoke" if a.smoke else "full"]
+    sharding, target = harness.gpu_target()
+    options = {} if a.triton_gemm else {"xla_gpu_enable_triton_gemm": False}
+    m = Machine(launch_s=a.launch_us * 1e-6, fp8_ratio=a.fp8_ratio)
+
+    hlo: Dict[Tuple[str, Optional[str]], List[Kernel]] = {}
+    for which in PROGRAMS:
+        for kind in gpu_fp8.KINDS:
+            text = compile_hlo(*program(which, kind, size), sharding, options)
+            hlo[(which, kind)] = ks = kernels(text)
+            check_bytes(ks, text)
+            print(f"compiled {which} {gpu_fp8.kind_name(kind)}: {len(ks)} kernels", flush=True)
+    fitted = None
+    if a.fit_gemm_efficiency and not a.smoke:
+        fitted = fit_gemm_efficiency(hlo[("train", None)], MEASURED[("train", None)], m)
+        m = dataclasses.replace(m, gemm_efficiency=fitted)
+
+    env = harness.environment()
+    env["target"] = target
+    report = harness.Report("roofline", __doc__.splitlines()[0],
+                            {**vars(a), **size, "machine": dataclasses.asdict(m),
+                             "xla_options": options}, argv, env=env)
+    out = [f"{target}; GEMMs: {'Triton (no autotuning)' if a.triton_gemm else 'cuBLAS(Lt)'}; "
+           f"model: {json.dumps(dataclasses.asdict(m))}"]
+    for which, title in PROGRAMS.items():
+        table = report.table(which, title, baseline="bfloat16", columns=COLUMNS,
+                             description=f"d_model {size['d_model']}, "
+                                         f"{size['batch'] * size['seq']} tokens")
+        for r in program_rows(which, hlo, m, not a.smoke):
+            table.add_row(r["name"], r["figures"])
+        out.append(f"\n**{title}**\n\n{harness.render_table(table.to_json())}")
+    for kind in gpu_fp8.KINDS:
+        ks = hlo[("train", kind)]
+        by_role = report.table(f"roles-{kind or 'bfloat16'}",
+                               f"train step, {gpu_fp8.kind_name(kind)}: non-GEMM kernels by role",
+                               baseline=None, columns=ROLE_COLUMNS)
+        for r in roles(ks, m):
+            by_role.add_row(r["name"], r["figures"])
+        top = report.table(f"largest-{kind or 'bfloat16'}",
+                           f"train step, {gpu_fp8.kind_name(kind)}: largest non-GEMM kernels",
+                           baseline=None, columns=TOP_COLUMNS)
+        for r in largest(ks, m, a.top):
+            top.add_row(r["name"], r["figures"], r["note"])
+        out += [f"\n**{by_role.title}**\n\n{harness.render_table(by_role.to_json())}",
+                f"\n**{top.title}**\n\n{harness.render_table(top.to_json())}"]
+    if fitted is not None:
+        report.note(f"GEMM efficiency fitted on the bfloat16 train step: {fitted:.3f}")
+    errors = [r["figures"]["error_pct"] for t in report.tables[:2] for r in t.rows
+              if r["figures"].get("error_pct") is not None]
+    if errors:
+        worst = max(abs(e) for e in errors)
+        report.note(f"largest error against the H100: {worst:.1f}% "
+                    f"({'within' if worst <= 100 * TOLERANCE else 'NOT within'} "
+                    f"{TOLERANCE:.0%})")
+    print("\n".join(out + [""] + [f"- {n}" for n in report.notes]), flush=True)
+    path = a.json or harness.default_json_path("roofline", a.smoke)
+    report.write(path)
+    print(f"\nwrote {path}")
+    return 0
+
+
+def check_bytes(ks: Sequence[Kernel], text: str) -> None:
+    """Our kernels' bytes are `harness.kernel_bytes` less cuBLAS's workspaces (and the
+    scalar ops of reduction regions, which that sum counts as kernels)."""
+    workspaces = sum(float(n) for n in re.findall(r"s8\[(\d+)\]\{0\}\) custom-call", text))
+    total, ours = harness.kernel_bytes(text), sum(k.bytes for k in ks)
+    assert abs(total - workspaces - ours) <= 1e-3 * total + 4096, (total, workspaces, ours)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
