@@ -30,7 +30,9 @@ Array([0.8, 0.8, 0.8], dtype=float32)
 
 from __future__ import annotations
 
+import sys
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import jax
@@ -169,6 +171,7 @@ def loss_scaling(
                     unscaled, inner_state, params, **extra_args)
                 return out
             except (AttributeError, KeyError, TypeError, ValueError) as e:
+                _raise_if_integer_params(grads, params, e)
                 _raise_if_foreign(inner, grads, inner_state, e)
                 raise
 
@@ -296,6 +299,25 @@ def _check_update_args(grads: Any, state: Any) -> None:
                 "inputs with allow_int=True), since only floating values can be unscaled.")
 
 
+def _raise_if_integer_params(grads: Any, params: Any, error: Exception) -> None:
+    """Raises a clear error if a gradient is None where ``params`` holds an
+    integer array, which no optax optimizer can update."""
+    if params is None:
+        return
+    gradients = dict(jax.tree_util.tree_flatten_with_path(grads, is_leaf=lambda x: x is None)[0])
+    for path, p in jax.tree_util.tree_leaves_with_path(params):
+        dtype = getattr(p, "dtype", None)
+        if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact) and (
+                path in gradients and gradients[path] is None):
+            raise TypeError(
+                f"loss_scaling.update: the gradient at {jax.tree_util.keystr(path)!r} is None and "
+                f"the parameter there is {dtype}: gradients are taken of floating-point leaves "
+                "only (scaled_value_and_grad and eqx.filter_grad give None elsewhere), and the "
+                "optimizer cannot update an integer parameter. Give the optimizer's init and "
+                "update the floating-point parameters only (for an Equinox module, "
+                "eqx.filter(model, eqx.is_inexact_array)), and keep integer values out of them.") from error
+
+
 def _raise_if_foreign(inner: optax.GradientTransformation, grads: Any, inner_state: Any,
                       error: Exception) -> None:
     """Raises a clear error if ``inner_state`` is not a state of ``inner``."""
@@ -310,19 +332,91 @@ def _raise_if_foreign(inner: optax.GradientTransformation, grads: Any, inner_sta
 
 def _loss_scaling_states(tree: Any) -> list[LossScalingState]:
     """Every `LossScalingState` inside ``tree``, nested ones included."""
+    return [found.state for found in _find_states(tree)]
+
+
+class _Found(NamedTuple):
+    """A `LossScalingState` found in an optimizer state, and where."""
+
+    state: LossScalingState
+    path: str  # as jax.tree_util.keystr writes it, from the root of the state
+    misplaced: Optional[str]  # why gradients reach it already transformed, if they do
+
+
+def _find_states(tree: Any, path: Tuple[Any, ...] = (),
+                 misplaced: Optional[str] = None) -> list[_Found]:
+    """Every `LossScalingState` in ``tree``, with its path and what, if anything,
+    transforms the gradients before it.
+
+    Read from the layout optax gives states: ``MultiSteps``' is a
+    ``MultiStepsState`` whose ``inner_opt_state`` sees accumulated gradients;
+    ``chain``'s is a tuple and ``named_chain``'s an ``OrderedDict``, one entry per
+    transformation in order, so every entry after the first sees gradients the
+    earlier transformations made. Wrappers that pass the gradients on as they
+    are (``inject_hyperparams``, ``masked``, ``nnx.Optimizer``'s variables) nest
+    the state under another name, which changes nothing.
+    """
     def is_state(x: Any) -> bool:
         return isinstance(x, LossScalingState)
 
-    found: list[LossScalingState] = []
-    for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_state):
+    out: list[_Found] = []
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)[0]:
         if isinstance(leaf, LossScalingState):
-            found += [leaf, *_loss_scaling_states(leaf.inner_state)]
-    return found
+            reason = misplaced or _misplaced(tree, path, key_path)
+            full = (*path, *key_path)
+            out += [_Found(leaf, jax.tree_util.keystr(full), reason), *_find_states(
+                leaf.inner_state, (*full, jax.tree_util.GetAttrKey("inner_state")), reason)]
+    return out
+
+
+def _misplaced(tree: Any, path: Tuple[Any, ...], key_path: Tuple[Any, ...]) -> Optional[str]:
+    """Why the gradients reach the state at ``key_path`` in ``tree`` already
+    transformed, or None: the containers along the way decide."""
+    node = tree
+    for depth, key in enumerate(key_path):
+        children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+        position = next(i for i, (k, _) in enumerate(children) if k == (key,))
+        if isinstance(node, optax.MultiStepsState) and key == jax.tree_util.GetAttrKey(
+                "inner_opt_state"):
+            return _INSIDE_MULTISTEPS
+        if position > 0 and type(node) in (tuple, OrderedDict):
+            here = (*path, *key_path[:depth])
+            return _AFTER_IN_CHAIN.format(
+                n=position, s="s" if position > 1 else "",
+                kind="optax.chain" if type(node) is tuple else "optax.named_chain",
+                before=", ".join("opt_state" + jax.tree_util.keystr((*here, *k))
+                                 for k, _ in children[:position]))
+        node = children[position][1]
+    return None
+
+
+_INSIDE_MULTISTEPS = (
+    "it is inside optax.MultiSteps, which accumulates the scaled gradients before "
+    "loss_scaling sees them: one non-finite micro-step stays in MultiSteps' accumulator "
+    "(0 * nan is nan) and every later step is skipped. Put MultiSteps inside instead: "
+    "jmp_policy.loss_scaling(optax.MultiSteps(inner, every_k_schedule=k)), which unscales "
+    "and checks every micro-step and skips a non-finite one before it reaches the "
+    "accumulator.")
+
+_AFTER_IN_CHAIN = (
+    "it comes after {n} other transformation{s} in an {kind} (state{s} {before}), which "
+    "therefore see the scaled gradients, non-finite ones included: a clip would clip the "
+    "gradients times the loss scale. Put them inside instead: "
+    "jmp_policy.loss_scaling(optax.chain(<the transformations before it>, inner)), with "
+    "loss_scaling first in the chain. (If the tuple or OrderedDict holding this state is "
+    "not an optax chain's state, pass the LossScalingState's own sub-state.)")
 
 
 def loss_scaling_state(opt_state: Any) -> LossScalingState:
-    """The one `LossScalingState` inside ``opt_state``, wherever it is nested."""
-    found = _loss_scaling_states(opt_state)
+    """The one `LossScalingState` inside ``opt_state``, wherever it is nested.
+
+    It refuses, with a ``ValueError`` naming the right composition, a state whose
+    position shows that gradients reach `loss_scaling` already transformed: inside
+    ``optax.MultiSteps`` (it would accumulate scaled, possibly non-finite,
+    gradients), or after another transformation in ``optax.chain`` /
+    ``optax.named_chain`` (it would see scaled gradients).
+    """
+    found = _find_states(opt_state)
     if not found:
         raise ValueError(
             "No LossScalingState found in the optimizer state; build the optimizer with "
@@ -331,20 +425,34 @@ def loss_scaling_state(opt_state: Any) -> LossScalingState:
         raise ValueError(
             f"The optimizer state holds {len(found)} LossScalingStates, so the loss scale is "
             "ambiguous; pass the sub-state of the one you mean.")
-    return found[0]
+    if found[0].misplaced is not None:
+        raise ValueError(
+            f"The loss_scaling transformation whose state is at opt_state{found[0].path} is "
+            f"composed in an order that gives it the wrong gradients: {found[0].misplaced}")
+    return found[0].state
 
 
 def get_loss_scale(opt_state: Any) -> LossScale:
     """The loss scale of the `LossScalingState` inside ``opt_state``.
 
     The state may be nested anywhere: ``optax.chain``, ``named_chain``,
-    ``inject_hyperparams``, ``MultiSteps``, dicts, tuples...
+    ``inject_hyperparams``, ``MultiSteps``, dicts, tuples... A composition that
+    gives `loss_scaling` the wrong gradients is a ``ValueError`` naming the right
+    one: ``optax.MultiSteps(loss_scaling(inner), k)`` (use
+    ``loss_scaling(optax.MultiSteps(inner, k))``) and a transformation before
+    `loss_scaling` in a chain, such as ``optax.chain(optax.clip(1.0),
+    loss_scaling(inner))`` (use ``loss_scaling(optax.chain(optax.clip(1.0), inner))``).
 
     >>> import jax.numpy as jnp, optax
     >>> import jmp_policy
-    >>> tx = optax.MultiSteps(jmp_policy.loss_scaling(optax.sgd(0.1)), every_k_schedule=2)
+    >>> tx = jmp_policy.loss_scaling(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
     >>> float(jmp_policy.get_loss_scale(tx.init(jnp.zeros(2))).loss_scale)
     32768.0
+    >>> wrong = optax.MultiSteps(jmp_policy.loss_scaling(optax.sgd(0.1)), every_k_schedule=2)
+    >>> jmp_policy.get_loss_scale(wrong.init(jnp.zeros(2)))
+    Traceback (most recent call last):
+    ...
+    ValueError: The loss_scaling transformation whose state is at opt_state.inner_opt_state is composed in an order that gives it the wrong gradients: it is inside optax.MultiSteps, ...
     """
     return loss_scaling_state(opt_state).loss_scale
 
@@ -393,9 +501,11 @@ def scaled_value_and_grad(
     takes; usually it is ``jmp_policy.get_loss_scale(opt_state)``.
 
     The floating-point array leaves of the arguments at ``argnums`` are
-    differentiated; their other leaves (integers, an Equinox module's Python
-    fields and functions) get ``None`` gradients, as ``eqx.filter_grad``
-    gives them, so an Equinox module can be passed as it is.
+    differentiated. An integer or boolean leaf is a ``TypeError`` naming its
+    path, as ``jax.grad`` refuses integer inputs: pass such values as an
+    argument that is not in ``argnums``. Other leaves (Python objects and
+    functions, and an Equinox module's integer arrays) get ``None`` gradients,
+    as ``eqx.filter_grad`` gives them, so a module can be passed as it is.
 
     >>> import jax.numpy as jnp
     >>> import jmp_policy
@@ -408,7 +518,7 @@ def scaled_value_and_grad(
     def value_and_grad(loss_scale: LossScaleLike, *args: Any, **kwargs: Any) -> Tuple[Any, Any]:
         scaled = scaled_loss_fn(fun, loss_scale, has_aux)
         positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-        split = [_Differentiable.of(args[i]) for i in positions]
+        split = [_Differentiable.of(args[i], i) for i in positions]
 
         def of_leaves(*leaves: list[Any]) -> Tuple[jax.Array, Tuple[Any, Any]]:
             full = list(args)
@@ -432,7 +542,8 @@ class _Differentiable:
         self.leaves, self._treedef, self._where, self._all = leaves, treedef, where, all_leaves
 
     @classmethod
-    def of(cls, tree: Any) -> _Differentiable:
+    def of(cls, tree: Any, position: int) -> _Differentiable:
+        _refuse_integer_leaves(tree, position)
         all_leaves, treedef = jax.tree_util.tree_flatten(tree)
         where = [i for i, x in enumerate(all_leaves)
                  if isinstance(x, (jax.Array, np.ndarray, np.generic))
@@ -446,3 +557,30 @@ class _Differentiable:
         for i, x in zip(self._where, leaves):
             full[i] = x
         return jax.tree_util.tree_unflatten(self._treedef, full)
+
+
+def _refuse_integer_leaves(tree: Any, position: int) -> None:
+    """A ``TypeError`` for an integer or boolean leaf of a differentiated argument,
+    as ``jax.grad`` gives, except inside an Equinox module, whose integer leaves get
+    ``None`` gradients as ``eqx.filter_grad`` gives them."""
+    eqx = sys.modules.get("equinox")
+    module_type = getattr(eqx, "Module", None)
+
+    def is_module(x: Any) -> bool:
+        return module_type is not None and isinstance(x, module_type)
+
+    for path, x in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_module):
+        if is_module(x):
+            continue
+        dtype = getattr(x, "dtype", None) if isinstance(
+            x, (jax.Array, np.ndarray, np.generic)) else np.asarray(x).dtype if isinstance(
+            x, (bool, int)) else None
+        if dtype is not None and (jnp.issubdtype(dtype, jnp.integer) or dtype == np.bool_):
+            raise TypeError(
+                f"scaled_value_and_grad: fun's argument {position} has an integer or boolean leaf at "
+                f"{jax.tree_util.keystr(path)!r} ({dtype}); like jax.grad, scaled_value_and_grad "
+                "differentiates only floating-point values, and an optax optimizer cannot update "
+                "an integer parameter. Pass integer values (step counters, token ids, masks) as "
+                "an argument that is not in argnums, or keep them out of the parameters (an "
+                "Equinox module may hold them: its integer leaves get None gradients, as "
+                "eqx.filter_grad gives).")

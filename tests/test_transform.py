@@ -231,21 +231,166 @@ def test_update_traces_the_inner_optimizer_once():
 # get_loss_scale.
 
 
-@pytest.mark.parametrize(
-    "build",
-    [
-        lambda ls: ls,
-        lambda ls: optax.chain(optax.clip(1.0), ls),
-        lambda ls: optax.named_chain(("clip", optax.clip(1.0)), ("ls", ls)),
-        lambda ls: optax.MultiSteps(ls, every_k_schedule=2),
-        lambda ls: optax.chain(optax.MultiSteps(optax.chain(optax.identity(), ls), every_k_schedule=3)),
-    ],
-)
-def test_get_loss_scale_finds_the_state_anywhere(build):
-    tx = build(jmp_policy.loss_scaling(optax.sgd(0.1), DynamicLossScale(256.0)))
-    state = tx.init({"w": jnp.ones(2)})
+def _ls(inner):
+    return jmp_policy.loss_scaling(inner, DynamicLossScale(256.0))
+
+
+# Compositions in which loss_scaling is the first to see the gradients.
+RIGHT_COMPOSITIONS = {
+    "alone": lambda: _ls(optax.sgd(0.1)),
+    "chain, first": lambda: optax.chain(_ls(optax.sgd(0.1)), optax.identity()),
+    "chain of one": lambda: optax.chain(_ls(optax.sgd(0.1))),
+    "named_chain, first": lambda: optax.named_chain(("z", _ls(optax.sgd(0.1))), ("a", optax.identity())),
+    "clip inside": lambda: _ls(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1))),
+    "MultiSteps inside": lambda: _ls(optax.MultiSteps(optax.adam(0.1), every_k_schedule=2)),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(lambda learning_rate: _ls(optax.sgd(learning_rate)))(learning_rate=0.1),
+    "masked": lambda: optax.masked(_ls(optax.sgd(0.1)), {"w": True}),
+    "nested chains": lambda: optax.chain(optax.chain(_ls(optax.sgd(0.1)), optax.identity()), optax.identity()),
+}
+
+# Compositions in which another transformation sees the scaled gradients first.
+WRONG_COMPOSITIONS = {
+    "MultiSteps outside": (lambda: optax.MultiSteps(_ls(optax.sgd(0.1)), every_k_schedule=2),
+                           r"opt_state\.inner_opt_state .*inside optax\.MultiSteps.*"
+                           r"jmp_policy\.loss_scaling\(optax\.MultiSteps\(inner"),
+    "clip before": (lambda: optax.chain(optax.clip(1.0), _ls(optax.sgd(0.1))),
+                    r"opt_state\[1\] .*after 1 other transformation in an optax\.chain "
+                    r"\(state opt_state\[0\]\).*jmp_policy\.loss_scaling\(optax\.chain\("),
+    "clip_by_global_norm before": (
+        lambda: optax.chain(optax.clip_by_global_norm(1.0), _ls(optax.sgd(0.1))),
+        r"optax\.chain.*loss_scaling\(optax\.chain\("),
+    "named_chain, second": (
+        lambda: optax.named_chain(("clip", optax.clip(1.0)), ("ls", _ls(optax.sgd(0.1)))),
+        r"opt_state\['ls'\] .*optax\.named_chain \(state opt_state\['clip'\]\)"),
+    "stateful before": (lambda: optax.chain(optax.zero_nans(), optax.identity(), _ls(optax.sgd(0.1))),
+                        r"after 2 other transformations .*opt_state\[0\], opt_state\[1\]"),
+    "in inject_hyperparams, after a clip": (
+        lambda: optax.inject_hyperparams(
+            lambda learning_rate: optax.chain(optax.clip(1.0), _ls(optax.sgd(learning_rate))))(learning_rate=0.1),
+        r"opt_state\.inner_state\[1\]"),
+    "MultiSteps around a chain": (
+        lambda: optax.chain(optax.MultiSteps(optax.chain(optax.identity(), _ls(optax.sgd(0.1))), every_k_schedule=3)),
+        r"opt_state\[0\]\.inner_opt_state\[1\] .*MultiSteps"),
+}
+
+
+@pytest.mark.parametrize("build", RIGHT_COMPOSITIONS.values(), ids=RIGHT_COMPOSITIONS.keys())
+def test_get_loss_scale_finds_the_state_of_every_right_composition(build):
+    tx = build()
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
     assert float(jmp_policy.get_loss_scale(state).loss_scale) == 256.0
-    assert float(jax.jit(lambda s: jmp_policy.get_loss_scale(s).loss_scale)(state)) == 256.0
+
+    @jax.jit
+    def step(state, g):
+        updates, state = tx.update({"w": g}, state, params)
+        return jmp_policy.get_loss_scale(state).loss_scale, state
+
+    scale, state = step(state, jnp.full(2, jnp.inf))
+    assert float(scale) == 128.0  # the overflow reached loss_scaling
+    assert int(jmp_policy.transform.loss_scaling_state(state).skipped_steps) == 1
+
+
+@pytest.mark.parametrize("build, match", WRONG_COMPOSITIONS.values(), ids=WRONG_COMPOSITIONS.keys())
+def test_get_loss_scale_refuses_a_composition_that_feeds_loss_scaling_transformed_gradients(build, match):
+    tx = build()
+    state = tx.init({"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match=match):
+        jmp_policy.get_loss_scale(state)
+    with pytest.raises(ValueError, match=match):  # under jit too: the check is on the structure
+        jax.jit(jmp_policy.get_loss_scale)(state)
+
+
+def _train(tx, micro_grads, params):
+    """Jitted train steps (the loss's gradient is the batch), one per micro-batch."""
+    loss_fn = lambda p, x: jnp.sum(p["w"] * x)
+
+    @jax.jit
+    def step(params, opt_state, x):
+        scale = jmp_policy.get_loss_scale(opt_state)
+        _, grads = jmp_policy.scaled_value_and_grad(loss_fn)(scale, params, x)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    state, history = tx.init(params), []
+    for x in micro_grads:
+        params, state = step(params, state, jnp.asarray(x, jnp.float32))
+        history.append((params, state))
+    return history
+
+
+def test_multisteps_outside_loss_scaling_is_poisoned_by_one_overflow_and_refused():
+    # What the refusal prevents: MultiSteps accumulates the scaled gradients and
+    # keeps a non-finite micro-step in its accumulator (0 * inf is nan), so
+    # every later accumulated step is skipped.
+    tx = optax.MultiSteps(jmp_policy.loss_scaling(optax.sgd(1.0), 4.0), every_k_schedule=2)
+    state, upd = tx.init({"w": jnp.ones(2)}), jax.jit(tx.update)
+    for i in range(8):
+        updates, state = upd({"w": jnp.full(2, np.inf if i == 1 else 4.0)}, state)
+    inner = jmp_policy.transform._loss_scaling_states(state)[0]
+    assert int(inner.skipped_steps) == 4  # 4 of 4 accumulated steps skipped
+    assert not np.isfinite(state.acc_grads["w"]).any()
+    with pytest.raises(ValueError, match=r"loss_scaling\(optax\.MultiSteps\(inner"):
+        jmp_policy.get_loss_scale(state)
+
+
+def test_loss_scaling_around_multisteps_skips_only_the_overflowing_micro_step():
+    k = 2
+    micro = [[1.0, -2.0], [np.inf, 0.0], [3.0, -4.0], [5.0, 6.0], [7.0, -8.0], [np.nan, 1.0], [1.0, 1.0]]
+    params = {"w": jnp.ones(2)}
+    tx = jmp_policy.loss_scaling(optax.MultiSteps(optax.adam(0.1), every_k_schedule=k),
+                                 DynamicLossScale(2.0**10, period=2))
+    history = _train(tx, micro, params)
+    scales = [float(s.loss_scale.loss_scale) for _, s in history]
+    # Each micro-step adjusts the scale: halved by each overflow, doubled after 2 finite ones.
+    assert scales == [2.0**10, 2.0**9, 2.0**9, 2.0**10, 2.0**10, 2.0**9, 2.0**9]
+    assert [int(s.skipped_steps) for _, s in history] == [0, 1, 1, 1, 1, 2, 2]
+    assert [int(s.inner_state.mini_step) for _, s in history] == [1, 1, 0, 1, 0, 0, 1]
+    # The reference: MultiSteps(adam) given only the finite micro-steps' (unscaled)
+    # gradients, as MultiSteps defines accumulation (their mean over k).
+    reference = optax.MultiSteps(optax.adam(0.1), every_k_schedule=k)
+    ref_state, ref_params, ref_history = reference.init(params), params, []
+    for x in micro:
+        if np.isfinite(x).all():
+            updates, ref_state = reference.update({"w": jnp.asarray(x)}, ref_state, ref_params)
+            ref_params = optax.apply_updates(ref_params, updates)
+        ref_history.append(ref_params)
+    for (got, _), want in zip(history, ref_history):
+        np.testing.assert_allclose(got["w"], want["w"], rtol=1e-6)
+    # Two accumulated steps were emitted, each by 0.1 per coordinate (Adam's first step
+    # moves each coordinate by the learning rate, in the sign of the mean gradient).
+    np.testing.assert_allclose(history[2][0]["w"], [0.9, 1.1], rtol=1e-6)  # means 2 and -3
+    assert not np.array_equal(history[4][0]["w"], history[2][0]["w"])
+    np.testing.assert_array_equal(history[6][0]["w"], history[4][0]["w"])  # accumulating
+
+
+def test_clipping_inside_loss_scaling_clips_the_unscaled_gradients():
+    params = {"w": jnp.ones(2)}
+    g = [0.5, 0.5]  # norm 0.71 < 1: no clipping of the true gradients
+    right = jmp_policy.loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.01)))
+    (new, _), = _train(right, [g], params)
+    np.testing.assert_allclose(new["w"], [0.995, 0.995], rtol=1e-7)  # an update of -0.005
+    # The order that clips the scaled gradients (norm 2**15 * 0.71) moves them by 2e-7;
+    # its state is refused by get_loss_scale, which every train step calls.
+    wrong = optax.chain(optax.clip_by_global_norm(1.0), jmp_policy.loss_scaling(optax.sgd(0.01)))
+    with pytest.raises(ValueError, match=r"a clip would clip the gradients times the loss scale"):
+        _train(wrong, [g], params)
+
+
+def test_nnx_optimizer_compositions():
+    nnx = pytest.importorskip("flax.nnx")
+    import jmp_policy.flax
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(2))
+
+    right = nnx.Optimizer(Model(), _ls(optax.MultiSteps(optax.adam(0.1), 2)), wrt=nnx.Param)
+    assert float(jmp_policy.flax.optimizer_loss_scale(right).loss_scale) == 256.0
+    assert float(jmp_policy.get_loss_scale(right.opt_state).loss_scale) == 256.0
+    wrong = nnx.Optimizer(Model(), optax.chain(optax.clip(1.0), _ls(optax.adam(0.1))), wrt=nnx.Param)
+    with pytest.raises(ValueError, match=r"optax\.chain"):
+        jmp_policy.flax.optimizer_loss_scale(wrong)
 
 
 def test_get_loss_scale_inside_inject_hyperparams():
@@ -543,3 +688,43 @@ def test_a_loss_scale_built_inside_a_jitted_init():
     assert float(jmp_policy.get_loss_scale(state).loss_scale) == 2.0**7
     updates, state = jax.jit(tx.update)({"w": jnp.full(2, 2.0**7)}, state, params)
     np.testing.assert_allclose(updates["w"], [-0.1, -0.1])
+
+
+def test_scaled_value_and_grad_refuses_an_integer_leaf_as_jax_grad_does():
+    params = {"w": jnp.ones(2), "step": jnp.int32(0)}
+    loss_fn = lambda p, x: jnp.sum(p["w"] * x)
+    with pytest.raises(TypeError, match=r"argument 0 has an integer or boolean leaf at \"\['step'\]\" "
+                                        r"\(int32\).*not in argnums"):
+        jax.jit(jmp_policy.scaled_value_and_grad(loss_fn))(2.0, params, jnp.ones(2))
+    with pytest.raises(TypeError, match=r"argument 1 .*\[1\]"):
+        jmp_policy.scaled_value_and_grad(lambda x, p: loss_fn(p[0], x), argnums=1)(
+            2.0, jnp.ones(2), ({"w": jnp.ones(2)}, jnp.array([True])))
+    # What it says to do: the integer leaf as an argument that is not differentiated.
+    loss, grads = jmp_policy.scaled_value_and_grad(lambda p, step: loss_fn(p, step + 1.0))(
+        2.0, {"w": jnp.ones(2)}, jnp.int32(1))
+    np.testing.assert_array_equal(grads["w"], [4.0, 4.0])
+
+
+def test_integer_leaves_of_an_equinox_module_get_none_gradients():
+    eqx = pytest.importorskip("equinox")
+
+    class Model(eqx.Module):
+        w: jax.Array
+        ids: jax.Array
+        size: int
+
+    model = Model(jnp.ones(2), jnp.arange(3), 3)
+    _, grads = jmp_policy.scaled_value_and_grad(lambda m: jnp.sum(m.w * m.size))(2.0, model)
+    assert grads.ids is None and grads.size is None
+    np.testing.assert_array_equal(grads.w, [6.0, 6.0])
+    tx = jmp_policy.loss_scaling(optax.adam(0.1), 2.0)
+    trainable = eqx.filter(model, eqx.is_inexact_array)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(trainable), trainable)
+    new = eqx.apply_updates(model, updates)
+    np.testing.assert_allclose(new.w, [0.9, 0.9], rtol=1e-6)
+    np.testing.assert_array_equal(new.ids, model.ids)
+    # Giving the optimizer the integer leaf too: the error names it (it blamed the state).
+    everything = eqx.filter(model, eqx.is_array)
+    with pytest.raises(TypeError, match=r"gradient at '\.ids' is None and the parameter there is "
+                                        r"int32.*eqx\.is_inexact_array"):
+        tx.update(grads, tx.init(everything), everything)
