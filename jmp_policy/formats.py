@@ -52,7 +52,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 __all__ = ["Format", "format_of", "grid", "round_nearest", "round_stochastic", "widen", "encode",
-           "random_bits", "salted_bits", "seed_from_values"]
+           "scale_exponent", "random_bits", "stream_key", "salted_bits", "seed_from_values"]
 
 _F32 = np.dtype(np.float32)
 _U32 = np.uint32
@@ -277,6 +277,27 @@ def encode(x: Any, dtype: Any, bits: Optional[jax.Array] = None) -> jax.Array:
     return lax.convert_element_type(x, np.dtype(dtype))
 
 
+def scale_exponent(amax: Any, bound: float, *, strict: bool = False) -> jax.Array:
+    """Block scaling's power-of-two rule: the biased float32 exponent (int32, not clipped)
+    of the smallest power of two ``s`` with ``amax / s <= bound`` (``< bound`` if
+    ``strict``), read from the bits of the float32 quotient ``amax / bound`` (exact for a
+    power-of-two ``bound``). ``amax`` is a non-negative absolute maximum; below float32's
+    normal range the exponent is 0 or 1, for an inf or NaN ``amax`` 255 or more.
+
+    >>> scale_exponent(jnp.array([448.0, 449.0, 1.0]), 448.0).tolist()   # 2**0, 2**1, 2**-8
+    [127, 128, 119]
+    >>> scale_exponent(jnp.array([256.0, 255.0]), 256.0, strict=True).tolist()   # 2, 1
+    [128, 127]
+    """
+    ratio = lax.div(lax.convert_element_type(amax, _F32), np.float32(bound))
+    bits = lax.bitcast_convert_type(ratio, np.int32)
+    exponent = lax.shift_right_logical(bits, np.int32(_MANTISSA_BITS))
+    if strict:
+        return lax.add(exponent, np.int32(1))
+    inexact = lax.bitwise_and(bits, np.int32((1 << _MANTISSA_BITS) - 1)) > 0
+    return lax.add(exponent, lax.convert_element_type(inexact, np.int32))
+
+
 # --- Random bits ---------------------------------------------------------------------------
 
 def _mix(x: jax.Array) -> jax.Array:
@@ -292,10 +313,11 @@ def _mix(x: jax.Array) -> jax.Array:
 def random_bits(seed: jax.Array, shape: tuple[int, ...],
                 salt: Optional[jax.Array] = None) -> jax.Array:
     """Uniform uint32 bits of ``shape``: each a hash of the element's index (in row-major
-    order) and ``seed``, two uint32 words, and of the element's ``salt`` if given.
+    order) and ``seed``, two uint32 words (or their `stream_key`), and of the element's
+    ``salt`` if given.
 
-    The two words are hashed into one stream key first (a scalar), so that words
-    drawn from one another still give unrelated streams; for a uniformly random key,
+    The two words are hashed into one stream key first (a scalar, `stream_key`), so
+    that words drawn from one another still give unrelated streams; for a uniformly random key,
     ``index * odd + key`` is uniform over 32 bits and `_mix` is a bijection, so each
     element's bits are exactly uniform. Computed in the kernel that uses them
     (``jax.random.bits`` is written to memory and read back), and from the global
@@ -309,7 +331,8 @@ def random_bits(seed: jax.Array, shape: tuple[int, ...],
     The seed of a stateful rounding: `low_precision_params`, `cast_state` and
     `quantize_state` keep a PRNG key in their state; each step splits it and draws one
     seed (``jax.random.bits(step_key, (2,), jnp.uint32)``) for every array it rounds,
-    salted with the bits of the values rounded. One seed, not one per array: the
+    salted with the bits of the values rounded, and makes its `stream_key` once for
+    all of them. One seed, not one per array: the
     kernels that round arrays of the same shape are then the same computation, which
     XLA compiles once (a seed per array, sliced from an array of seeds, is a constant
     in each kernel and makes every kernel distinct).
@@ -319,14 +342,28 @@ def random_bits(seed: jax.Array, shape: tuple[int, ...],
     >>> bool((bits == salted).all())   # a zero salt changes nothing
     True
     """
-    seed = lax.convert_element_type(jnp.asarray(seed), _U32)
-    key = _mix(lax.bitwise_xor(seed[0], _mix(lax.add(seed[1], _U32(0x9E3779B9)))))
+    key = stream_key(seed)
     index = lax.iota(_U32, max(1, math.prod(shape)))
     index = lax.reshape(index, shape) if len(shape) != 1 else index
     counter = _mix(lax.add(lax.mul(index, _U32(0x9E3779B1)), key))
     if salt is not None:
         counter = lax.bitwise_xor(counter, lax.convert_element_type(salt, _U32))
     return _mix(counter)
+
+
+def stream_key(seed: jax.Array) -> jax.Array:
+    """The uint32 scalar that `random_bits` hashes ``seed`` (two uint32 words) into; a
+    scalar passes through, as a key already made. Made once for many arrays, it spares
+    each kernel that rounds one the scalar hashing.
+
+    >>> seed = jnp.array([1, 2], jnp.uint32)
+    >>> bool((random_bits(stream_key(seed), (3,)) == random_bits(seed, (3,))).all())
+    True
+    """
+    seed = lax.convert_element_type(jnp.asarray(seed), _U32)
+    if seed.ndim == 0:
+        return seed
+    return _mix(lax.bitwise_xor(seed[0], _mix(lax.add(seed[1], _U32(0x9E3779B9)))))
 
 
 def salted_bits(seed: jax.Array, x: jax.Array) -> jax.Array:

@@ -667,7 +667,8 @@ def _is_stored_narrow(x: Any) -> bool:
 
 def _narrowed(state: Any, dtype: Any, seed: Optional[jax.Array]) -> Any:
     """``state`` with its stored-narrow leaves in ``dtype``: rounded stochastically with
-    ``seed`` (two uint32 words), or to nearest for ``None``."""
+    ``seed`` (two uint32 words, or their ``formats.stream_key``), or to nearest for
+    ``None``."""
     def narrow(x: Any) -> Any:
         if not _is_stored_narrow(x):
             return x
@@ -707,17 +708,19 @@ def _key_data(seed: Seed, stream: int, name: str) -> Tuple[jax.Array, Any]:
 
 
 def _step_seed(data: jax.Array, impl: Any) -> Tuple[jax.Array, jax.Array]:
-    """(the next step's key data, this step's seed): the key split, and two uint32 words
-    drawn from the new key, the seed of every array the step rounds
-    (``formats.random_bits``).
+    """(the next step's key data, this step's seed): the key split, and the stream key
+    (``formats.stream_key``) of two uint32 words drawn from the new key, the seed of every
+    array the step rounds (``formats.random_bits``).
     """
     next_key, step_key = jax.random.split(jax.random.wrap_key_data(data, impl=impl))
     words = jax.random.bits(step_key, (2,), jnp.uint32)
-    # Two scalars behind a barrier, so that each kernel that rounds reads scalars:
-    # XLA:GPU merges kernels that read one non-scalar array (the two words) into one
-    # kernel per shape, with an output per array, distinct for every count of arrays.
-    scalars = jax.lax.optimization_barrier((words[0], words[1]))  # type: ignore[no-untyped-call]
-    return jax.random.key_data(next_key), jnp.stack(scalars)
+    # One scalar behind a barrier, hashed once for the step, so that a kernel that
+    # rounds reads a scalar (XLA:CPU removes barriers before fusing, and may hash the
+    # words again in each kernel: the values are the same). XLA:GPU merges kernels that read one non-scalar
+    # array (the two words) into one kernel per shape, with an output per array,
+    # distinct for every count of arrays.
+    key: jax.Array = jax.lax.optimization_barrier(formats.stream_key(words))  # type: ignore[no-untyped-call]
+    return jax.random.key_data(next_key), key
 
 
 def _check_choice(name: str, arg: str, value: Any, choices: Tuple[str, ...]) -> str:

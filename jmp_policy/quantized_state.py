@@ -218,8 +218,8 @@ _LOG2_RANGE = {FLOAT8: 8, SIGNED4: 0, NONNEGATIVE4: 8}
 
 
 def _exponents(x: Any, block_size: int, code: str) -> jax.Array:
-    """The uint8 exponent of each block's scale: the largest magnitude's float32
-    exponent, so that every scaled value is below ``2 ** _LOG2_RANGE[code]``."""
+    """The uint8 exponent of each block's scale: the smallest power of two that puts
+    every scaled value below ``2 ** _LOG2_RANGE[code]`` (``formats.scale_exponent``)."""
     x = jnp.asarray(x, jnp.float32)
     magnitude = jnp.abs(x).reshape(*x.shape[:-1], -1, block_size)
     # Halved by elementwise maxima first: they fuse with the computation of
@@ -228,23 +228,27 @@ def _exponents(x: Any, block_size: int, code: str) -> jax.Array:
     while magnitude.shape[-1] % 2 == 0 and magnitude.shape[-1] > block_size // 8:
         half = magnitude.shape[-1] // 2
         magnitude = jnp.maximum(magnitude[..., :half], magnitude[..., half:])
-    biased = (jax.lax.bitcast_convert_type(magnitude, jnp.uint32) >> 23).astype(jnp.uint8)
-    largest = jnp.max(biased, axis=-1).astype(jnp.int32)
-    # The largest magnitude is below 2 ** (largest - 126); clipped to the
-    # exponents of normal float32 scales (and their inverses).
-    return jnp.clip(largest + 1 - _LOG2_RANGE[code], 1, 254).astype(jnp.uint8)
+    # The largest float32 exponent field: the rule needs no more of the largest
+    # magnitude than its binade.
+    fields = (jax.lax.bitcast_convert_type(magnitude, jnp.uint32) >> 23).astype(jnp.uint8)
+    largest = jnp.max(fields, axis=-1)
+    binade = _power_of_two(largest)  # 0 for a block of zeros and subnormals, inf for inf/NaN
+    exponent = formats.scale_exponent(binade, 2.0 ** _LOG2_RANGE[code], strict=True)
+    # Clipped to the exponents of normal float32 scales (and their inverses).
+    return jnp.clip(exponent, 1, 254).astype(jnp.uint8)
 
 
 def _power_of_two(biased: jax.Array) -> jax.Array:
-    """``2.0 ** (biased - 127)`` for uint8/int32 ``biased`` in [1, 254], exactly."""
+    """``2.0 ** (biased - 127)`` for uint8/int32 ``biased`` in [1, 254], exactly (0 gives
+    0.0, 255 inf)."""
     return jax.lax.bitcast_convert_type(biased.astype(jnp.int32) << 23, jnp.float32)
 
 
 def quantize(x: Any, block_size: int, code: str = FLOAT8,
              seed: Optional[jax.Array] = None) -> QuantizedArray:
     """``x`` as a `QuantizedArray` with blocks of ``block_size`` along its last axis,
-    rounded stochastically with the seed ``seed`` (two uint32 words, see
-    ``formats.random_bits``), or to nearest if ``None``."""
+    rounded stochastically with the seed ``seed`` (two uint32 words or their stream key,
+    see ``formats.random_bits``), or to nearest if ``None``."""
     x = jnp.asarray(x, jnp.float32)
     exponents = _exponents(x, block_size, code)
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)

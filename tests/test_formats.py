@@ -123,3 +123,21 @@ def test_a_grid_without_a_dtype_rounds_as_the_format_it_describes():
     powers = formats.round_nearest(jnp.array([0.7, 0.74, 0.76, 3.0, 0.004, 0.01]),
                                    formats.grid(0, -6, 1.0))
     assert powers.tolist() == [0.5, 0.5, 1.0, 1.0, 0.0, 2.0 ** -6]
+
+
+@pytest.mark.parametrize("bound", [448.0, 57344.0, 256.0, 1.0])
+@pytest.mark.parametrize("strict", [False, True])
+def test_scale_exponent_is_the_smallest_power_of_two_that_brings_the_maximum_within_bound(
+        bound, strict):
+    # The one block-scale rule of MXFP8 (amax / s <= max) and quantize_state
+    # (amax / s < 2**R): checked against the powers of two around it.
+    rng = np.random.default_rng(0)
+    amax = np.concatenate([2.0 ** rng.uniform(-60, 60, 2000),
+                           2.0 ** rng.integers(-60, 60, 200).astype(np.float64),
+                           bound * 2.0 ** rng.integers(-20, 20, 200).astype(np.float64)])
+    amax = amax.astype(np.float32)
+    e = np.asarray(formats.scale_exponent(jnp.asarray(amax), bound, strict=strict))
+    s, below = 2.0 ** (e.astype(np.float64) - 127), 2.0 ** (e.astype(np.float64) - 128)
+    ratio = (amax / np.float32(bound)).astype(np.float32).astype(np.float64)  # float32's quotient
+    within = (lambda r: r < 1) if strict else (lambda r: r <= 1)
+    assert within(ratio / s).all() and not within(ratio / below).any()

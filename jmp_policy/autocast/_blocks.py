@@ -110,15 +110,12 @@ def mx_scale(amax: jax.Array, dtype: Any) -> jax.Array:
     >>> mx_scale(jnp.array([448.0, 449.0, 1.0, 0.0]), jnp.float8_e4m3fn).tolist()
     [1.0, 2.0, 0.00390625, 1.1754943508222875e-38]
     """
-    s = lax.div(lax.convert_element_type(amax, _F32), _max(dtype))
-    bits = lax.bitcast_convert_type(s, _U32)
-    exp = lax.shift_right_logical(bits, _U32(23))
-    mant = lax.bitwise_and(bits, _U32(0x7FFFFF))
-    # Round up unless exact, or the next power of two would be e8m0's NaN (0xFF).
-    up = (mant > 0) & (exp != 0xFE) & ~((exp == 0) & (mant <= 0x400000))
-    exp = jnp.maximum(exp + up.astype(_U32), _U32(1))
-    scale = lax.bitcast_convert_type(lax.shift_left(exp, _U32(23)), _F32)
-    return jnp.where(exp >= 0xFF, np.float32(np.nan), scale)
+    amax = lax.convert_element_type(amax, _F32)
+    # Clipped to normal float32 exponents: a finite maximum over ``max(dtype)`` stays
+    # below e8m0's largest scale, so only the smallest ones are clipped.
+    exponent = jnp.maximum(formats.scale_exponent(amax, float(_max(dtype))), 1)
+    scale = lax.bitcast_convert_type(lax.shift_left(exponent, np.int32(23)), _F32)
+    return jnp.where(jnp.isfinite(amax), scale, np.float32(np.nan))
 
 
 def nv_scale(amax: jax.Array) -> jax.Array:
