@@ -288,13 +288,15 @@ def _callbacks_as_outputs(fun: Callable[..., Any]) -> Callable[..., Any]:
     return program
 
 
-def inspector_program(inspect: Callable[..., Any], *args: Any
+def inspector_program(inspect: Callable[..., Any], *args: Any, callbacks_as_outputs: bool = True
                       ) -> Tuple[Callable[..., Any], tuple]:
     """The program an inspection (``jmp_policy.inspect_numerics(...)``) compiles, with its
     host callbacks as outputs, and the arguments it was called with.
 
     The inspection runs once here (on the default backend), recording every function it
     jits; the program is the one of them that delivers statistics by callbacks.
+    ``callbacks_as_outputs=False``: the program as it is, its callbacks kept (compile it
+    under `host_callbacks_lowered`).
     """
     calls: List[Tuple[Callable[..., Any], tuple]] = []
     with _recording_jit(calls):
@@ -302,6 +304,47 @@ def inspector_program(inspect: Callable[..., Any], *args: Any
     for fun, call_args in calls:
         program = _callbacks_as_outputs(fun)
         if jax.eval_shape(program, *call_args)[1]:
-            return program, call_args
+            return (program if callbacks_as_outputs else fun), call_args
     raise AssertionError("the inspection jitted no program that makes host callbacks; "
                          "tests/xla_gpu.py's inspector_program needs updating")
+
+
+@contextlib.contextmanager
+def host_callbacks_lowered() -> Iterator[None]:
+    """Host callbacks (``jax.debug.callback``) compiled by `compile_for_h100` as on a GPU,
+    where they are side-effecting custom calls (``xla_ffi_python_gpu_callback``, which the
+    CUDA plugin registers): XLA:GPU's passes see the program a GPU runs, which can differ
+    from the one with the callbacks as outputs (the root of the entry computation among
+    others). The compiled program cannot run here.
+
+    Deviceless, JAX's lowering of a callback asks for the backend, which it uses only on a
+    TPU, and there is none; the compile-only client takes no host callbacks (they are
+    needed to run, not to compile). Both are worked around here, through JAX internals
+    (jax 0.10 and 0.11); with a GPU nothing changes.
+    """
+    from jax._src import compiler
+    from jax._src.interpreters import mlir
+    from jax._src.lib import _jax
+
+    get_backend = mlir.ModuleContext.get_backend
+    compile_and_load = compiler.backend_compile_and_load
+
+    def backend(self: Any) -> Any:
+        try:
+            return get_backend(self)
+        except RuntimeError:  # no GPU backend here
+            return None
+
+    def compile_only(client: Any, module: Any, devices: Any, options: Any,
+                     host_callbacks: Any) -> Any:
+        if isinstance(client, _jax.CompileOnlyPyClient):
+            host_callbacks = ()
+        return compile_and_load(client, module, devices, options, host_callbacks)
+
+    mlir.ModuleContext.get_backend = backend
+    compiler.backend_compile_and_load = compile_only
+    try:
+        yield
+    finally:
+        mlir.ModuleContext.get_backend = get_backend
+        compiler.backend_compile_and_load = compile_and_load
