@@ -333,3 +333,198 @@ def test_autocast_functions_made_over_and_over_keep_no_growing_cache():
         jmp_policy.autocast(lambda x: jnp.where(x > 0, x @ x, 0.0), "mixed_bfloat16")(x)
     sizes = [len(variants) for _, variants in _interpreter._REWRITES._entries.values()]
     assert sizes and max(sizes) <= _interpreter._VARIANTS_PER_JAXPR
+
+
+def test_a_pass_through_branch_keeps_float32_as_jnp_where_does():
+    # SPEC §5: a float32 value stays float32 unless matrix work produced it. A choice
+    # between a product and an input passed through (lax.cond, jnp.where) is not a product.
+    from jax import lax
+
+    w, x = jnp.eye(2), jnp.full((2, 2), 1.001, F32)
+    policy = jmp_policy.Policy("mixed_bfloat16")
+    out_dtype = np.dtype(policy.output_dtype)
+    assert out_dtype == BF16
+    chosen = {
+        "cond": jax.jit(jmp_policy.autocast(
+            lambda p, x: lax.cond(p, lambda v: v @ w, lambda v: v, x), policy)),
+        "where": jax.jit(jmp_policy.autocast(lambda p, x: jnp.where(p, x @ w, x), policy)),
+    }
+    for name, f in chosen.items():
+        passed, product = f(False, x), f(True, x)
+        assert passed.dtype == product.dtype == F32, name
+        np.testing.assert_array_equal(passed, x, err_msg=name)  # 1.001, not bfloat16's 1.0
+        np.testing.assert_allclose(product, x @ w, rtol=1e-2, err_msg=name)
+    # A product in every branch, or a product and a literal fill (masked logits), is still
+    # matrix work: returned in the output dtype.
+    both = jax.jit(jmp_policy.autocast(
+        lambda p, x: lax.cond(p, lambda v: v @ w, lambda v: (2 * v) @ w, x), policy))
+    masked = jax.jit(jmp_policy.autocast(lambda x: jnp.where(x > 1, x @ w, -jnp.inf), policy))
+    assert both(False, x).dtype == masked(x).dtype == out_dtype
+
+
+# 10. Models rebuilt inside the traced function ----------------------------------------------
+# A loss that rebuilds its model (nnx.merge, nnx.update, eqx.combine) or applies a linen
+# module gets the same module-path scopes, rules and float8 exclusions as one that receives
+# the module as an argument.
+
+V, D = 64, 32
+
+
+class NNXBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.attn = nnx.Linear(D, D, rngs=rngs)
+        self.mlp = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.mlp(jax.nn.gelu(self.attn(x)))
+
+
+class NNXLM(nnx.Module):
+    def __init__(self, rngs):
+        self.embedder = nnx.Embed(V, D, rngs=rngs)
+        self.layers = nnx.List([NNXBlock(rngs) for _ in range(2)])
+
+    def __call__(self, tokens):
+        x = self.embedder(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.embedder.attend(x)  # the tied head
+
+
+class EqxBlock(eqx.Module):
+    attn: eqx.nn.Linear
+    mlp: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.attn, self.mlp = eqx.nn.Linear(D, D, key=k1), eqx.nn.Linear(D, D, key=k2)
+
+    def __call__(self, x):
+        return x + self.mlp(jax.nn.gelu(self.attn(x)))
+
+
+class EqxLM(eqx.Module):
+    embedder: eqx.nn.Embedding
+    layers: list
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        self.embedder = eqx.nn.Embedding(V, D, key=k1)
+        self.layers = [EqxBlock(k2), EqxBlock(k3)]
+        self.head = eqx.nn.Linear(D, V, key=k4)
+
+    def __call__(self, token):
+        x = self.embedder(token)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(D)(jax.nn.gelu(nn.Dense(D)(x)))
+
+
+class LinenLM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(V, D)
+        x = embed(tokens)
+        for _ in range(2):
+            x = LinenBlock()(x)
+        return embed.attend(x)
+
+
+def _xent(logits, tokens):
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], -1))
+
+
+def _idioms():
+    """``name -> (fn, args, reference fn, reference args)``: each rebuilding idiom, and the
+    module-as-argument form it must match (``None`` for linen, which has no other form)."""
+    tokens = jnp.arange(16).reshape(2, 8) % V
+    nnx_model = NNXLM(nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(nnx_model, nnx.Param, ...)
+    nnx_loss = (lambda m, t: _xent(m(t), t))
+
+    def merged(p, t):  # flax's examples/gemma train step
+        return _xent(nnx.merge(graphdef, p, rest)(t), t)
+
+    def updated(p, t):  # an abstract model filled with nnx.update, the new state split off
+        m = nnx.eval_shape(lambda: NNXLM(nnx.Rngs(0)))
+        nnx.update(m, p, rest)
+        loss = _xent(m(t), t)
+        _, state = nnx.split(m)
+        return loss
+
+    eqx_model = EqxLM(jax.random.key(0))
+    eqx_params, eqx_static = eqx.partition(eqx_model, eqx.is_array)
+    eqx_loss = (lambda m, t: _xent(jax.vmap(jax.vmap(m))(t), t))
+    linen = LinenLM()
+    variables = linen.init(jax.random.key(0), tokens)
+    return {
+        "nnx.merge": (merged, (params, tokens), nnx_loss, (nnx_model, tokens)),
+        "nnx.update": (updated, (params, tokens), nnx_loss, (nnx_model, tokens)),
+        "eqx.combine": (lambda p, t: eqx_loss(eqx.combine(p, eqx_static), t),
+                        (eqx_params, tokens), eqx_loss, (eqx_model, tokens)),
+        "eqx.combine, static argument": (lambda p, s, t: eqx_loss(eqx.combine(p, s), t),
+                                         (eqx_params, eqx_static, tokens), eqx_loss,
+                                         (eqx_model, tokens)),
+        "linen apply": (lambda v, t: _xent(linen.apply(v, t), t), (variables, tokens),
+                        None, None),
+    }
+
+
+IDIOMS = list(_idioms())
+HEADS = {"nnx": "NNXLM/embedder.attend", "eqx": "EqxLM/head", "linen": "LinenLM/Embed_0.attend"}
+
+
+def _head(idiom):
+    return HEADS[idiom.split(".")[0].split(" ")[0]]
+
+
+def _dot_dtypes(fn, args, **kwargs):
+    """``(scope, lhs dtype)`` of each product of jit(grad(autocast(fn))), forward and backward,
+    scopes without JAX's transformation names."""
+    f = jmp_policy.autocast(fn, "mixed_bfloat16", **kwargs)
+    return [("/".join(scope_names(scope)), dtype)
+            for scope, dtype in products(jax.jit(jax.grad(f)), *args)]
+
+
+@pytest.mark.parametrize("idiom", IDIOMS)
+def test_a_rebuilt_model_has_the_scopes_of_the_module_argument_form(idiom):
+    fn, args, ref, ref_args = _idioms()[idiom]
+    scopes = {row.scope for row in jmp_policy.inspect_numerics(fn, "mixed_bfloat16")(*args).rows}
+    assert "" not in scopes
+    if ref is None:  # linen names its modules itself
+        assert scopes == {"LinenLM/Embed_0.attend", *(f"LinenLM/LinenBlock_{i}/Dense_{j}"
+                                                      for i in range(2) for j in range(2))}
+    else:
+        report = jmp_policy.inspect_numerics(ref, "mixed_bfloat16")(*ref_args)
+        assert scopes == {row.scope for row in report.rows}
+        assert any(scope.startswith(_head(idiom)) for scope in scopes)
+        assert any("/layers/1/mlp" in scope for scope in scopes)
+
+
+@pytest.mark.parametrize("idiom", IDIOMS)
+def test_rules_scoped_to_a_submodule_of_a_rebuilt_model_apply(idiom):
+    fn, args, _, _ = _idioms()[idiom]
+    layer = "LinenBlock_1/Dense_1" if idiom.startswith("linen") else "layers/1/mlp"
+    dtypes = _dot_dtypes(fn, args, rules={"float32_scopes": [layer]})
+    pinned = {dtype for scope, dtype in dtypes if layer in scope}
+    assert pinned == {F32}  # forward and backward
+    assert {dtype for scope, dtype in dtypes if layer not in scope} == {BF16}
+
+
+@pytest.mark.parametrize("idiom", IDIOMS)
+def test_the_head_of_a_rebuilt_model_stays_out_of_float8(idiom):
+    fn, args, ref, ref_args = _idioms()[idiom]
+    found = _dot_dtypes(fn, args, fp8="rowwise")
+    head = _head(idiom)
+    assert {dtype for scope, dtype in found if scope.startswith(head)} == {BF16}
+    float8 = [scope for scope, dtype in found if dtype in (E4M3, np.dtype(jnp.float8_e5m2))]
+    assert len(float8) == 3 * 4  # 4 block products, forward and two backward products each
+    if ref is not None:
+        assert sorted(found) == sorted(_dot_dtypes(ref, ref_args, fp8="rowwise"))

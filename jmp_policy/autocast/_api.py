@@ -76,7 +76,9 @@ def autocast(
         any depth) in float32, matrix work included. Scopes are
         ``jax.named_scope`` names, Flax linen module paths and, for NNX and
         Equinox modules, attribute paths from the root module
-        (``Decoder/blocks/0/attn``). A scope that no operation of ``fn`` is in
+        (``Decoder/blocks/0/attn``): a module argument, or the model ``fn``
+        rebuilds (``nnx.merge``, ``eqx.combine``) or closes over, named alike.
+        A scope that no operation of ``fn`` is in
         is reported with an ``UnmatchedRuleWarning``.
       fp8: ``None`` (no float8), ``"tensorwise"``, ``"rowwise"``, ``"mxfp8"``,
         ``"nvfp4"`` or a `jmp_policy.Float8Recipe`: every eligible

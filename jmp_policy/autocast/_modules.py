@@ -16,6 +16,27 @@ Autocast traces ``fn`` on every call with its array leaves replaced by tracers
   ``Decoder/blocks/0/attn/q_proj``, and ``Decoder/embedder.attend`` for a
   method other than ``__call__``.
 
+  The root modules are those in ``fn``'s arguments (or ``fn`` itself) and, as
+  ``fn`` runs, any other module whose method is called while no module method
+  of the trace runs: a model that ``fn`` rebuilds (``nnx.merge(graphdef,
+  params)``, ``eqx.combine(params, static)``) or reads from a closure. Such a
+  module is named when its first method is called, as if it had been passed
+  in, so that a loss written either way has the same scopes. A module that
+  is not a submodule of a running module's root (one an ``nnx.scan`` in the
+  middle of a model merges afresh) opens no scope of its own.
+
+  >>> import jax, jax.numpy as jnp, equinox as eqx, jmp_policy
+  >>> class Net(eqx.Module):
+  ...     head: eqx.nn.Linear
+  ...     def __call__(self, x):
+  ...         return self.head(x)
+  >>> params, static = eqx.partition(Net(eqx.nn.Linear(2, 2, key=jax.random.key(0))),
+  ...                                eqx.is_array)
+  >>> loss = lambda p, x: eqx.combine(p, static)(x).sum()   # the model rebuilt inside
+  >>> report = jmp_policy.inspect_numerics(loss, "mixed_bfloat16")(params, jnp.ones(2))
+  >>> sorted({row.scope for row in report.rows})
+  ['Net/head/eqx.nn.Linear']
+
 ``import jmp_policy`` never imports Flax or Equinox: a module of theirs can only
 be in the arguments if the user imported them, so they are looked up in
 ``sys.modules``.
@@ -30,6 +51,7 @@ import inspect
 import sys
 import threading
 import types
+import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
@@ -58,6 +80,32 @@ def _is_eqx_module(x: Any) -> bool:
 def _is_module(x: Any) -> bool:
     nnx = _nnx()
     return (nnx is not None and isinstance(x, nnx.Module)) or _is_eqx_module(x)
+
+
+def _module_classes() -> set[type]:
+    """Every NNX and Equinox module class defined now whose methods may compute a model.
+
+    Flax's and Equinox's own wrappers and helpers (transformations, bridges,
+    containers, Equinox's internals) are left out: only their layers
+    (``flax.nnx.nn``, ``equinox.nn``) and ``nnx.Sequential`` are models.
+    """
+    bases = [m.Module for m in (_nnx(), _eqx()) if m is not None]
+    found: set[type] = set()
+    todo = list(bases)
+    while todo:
+        for sub in type.__subclasses__(todo.pop()):
+            if sub not in found:
+                found.add(sub)
+                todo.append(sub)
+    return {cls for cls in found if _is_model_class(cls)}
+
+
+def _is_model_class(cls: type) -> bool:
+    module = cls.__module__
+    if not module.startswith(("flax.", "equinox.")):
+        return True
+    return module.startswith(("flax.nnx.nn.", "equinox.nn.")) or (
+        module == "flax.nnx.helpers" and cls.__name__ == "Sequential")
 
 
 # --- The function as data --------------------------------------------------------------
@@ -210,6 +258,15 @@ class _Trace:
     paths: dict[int, tuple[Path, type]]
     base: Any  # the name stack when the trace's function was called
     running: list[Path] = dataclasses.field(default_factory=list)
+    # Root modules named while fn ran, held so that no other object takes their ids.
+    adopted: list[Any] = dataclasses.field(default_factory=list)
+
+    def adopt(self, module: Any) -> tuple[Path, type]:
+        """Names ``module`` (one ``fn`` built or closed over) and its submodules as a root."""
+        self.adopted.append(module)
+        self.paths.pop(id(module), None)  # an object of another type that had its id
+        _walk(module, (type(module).__name__,), self.paths)
+        return self.paths[id(module)]
 
 
 class _Active(threading.local):
@@ -228,11 +285,11 @@ _PATCHED: dict[tuple[type, str], tuple[Any, int]] = {}  # (class, name) -> (orig
 def module_scopes(roots: Sequence[Any]) -> Iterator[None]:
     """Runs the block with the methods of every module in ``roots`` under its path as name stack."""
     paths = module_paths(roots)
-    if not paths:
+    classes = {cls for _, cls in paths.values()} | _module_classes()
+    if not classes:
         yield
         return
-    classes = {cls for _, cls in paths.values()}
-    names = [(c, n) for cls in classes for c, n in _methods(cls)]
+    names = list({name for cls in classes for name in _class_methods(cls)})
     _patch(names)
     _ACTIVE.stack.append(_Trace(paths, source_info_util.current_name_stack()))
     try:
@@ -240,6 +297,18 @@ def module_scopes(roots: Sequence[Any]) -> Iterator[None]:
     finally:
         _ACTIVE.stack.pop()
         _unpatch(names)
+
+
+_METHODS: weakref.WeakKeyDictionary[type, tuple[tuple[type, str], ...]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _class_methods(cls: type) -> tuple[tuple[type, str], ...]:
+    """`_methods` of ``cls``, looked up once per class (every trace patches them)."""
+    found = _METHODS.get(cls)
+    if found is None:
+        found = _METHODS[cls] = tuple(_methods(cls))
+    return found
 
 
 def _methods(cls: type) -> Iterator[tuple[type, str]]:
@@ -283,10 +352,14 @@ def _scoped(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def scoped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        trace = _ACTIVE.stack[-1] if _ACTIVE.stack else None
-        found = trace.paths.get(id(self)) if trace is not None else None
-        if trace is None or found is None or found[1] is not type(self):  # not of this trace
+        if not _ACTIVE.stack:
             return method(self, *args, **kwargs)
+        trace = _ACTIVE.stack[-1]
+        found = trace.paths.get(id(self))
+        if found is None or found[1] is not type(self):  # not known to this trace
+            if trace.running:  # inside a module's method: stays in its scope
+                return method(self, *args, **kwargs)
+            found = trace.adopt(self)  # built or closed over by fn: a root
         path = found[0]
         trace.running.append(path)
         try:

@@ -9,16 +9,29 @@ loss) or by a cast the user wrote is returned in the dtype autocast computed,
 and so is an argument passed through.
 
 `output_kinds` reads this off ``fn``'s traced jaxpr: each value is
-`ARGUMENT` (an input or constant, or computed from those alone), `PRODUCT`
+`LITERAL` (computed from literals alone: ``jnp.zeros``, a ``-inf`` fill),
+`ARGUMENT` (an input or closed-over array, or computed from those), `PRODUCT`
 (last shaped by matrix work) or `KEPT` (by a float32-class primitive or a
 cast); elementwise and structural primitives take the strongest kind of their
 inputs, in that order.
+
+A choice between values (``select_n``, which ``jnp.where`` traces to, and the
+branches of ``lax.cond``) is not arithmetic on them: each element is one of
+the alternatives, unchanged. It is `PRODUCT` only when every alternative is a
+product or a literal (masked logits); an input passed through or a value kept
+in float32 keeps the choice as computed, so that the elements taken from it
+are not narrowed.
 
 >>> import jax, jax.numpy as jnp
 >>> from jmp_policy.autocast._rules import parse_rules
 >>> closed = jax.make_jaxpr(lambda w, x: (x @ w + 1.0, jnp.mean(x @ w), x * 2))(
 ...     jnp.ones((2, 2)), jnp.ones((3, 2)))
 >>> output_kinds(closed.jaxpr, parse_rules(None)) == [PRODUCT, KEPT, ARGUMENT]
+True
+>>> closed = jax.make_jaxpr(lambda w, x: (jnp.where(x > 0, x @ w, -jnp.inf),
+...                                       jnp.where(x > 0, x @ w, x)))(
+...     jnp.ones((2, 2)), jnp.ones((2, 2)))
+>>> output_kinds(closed.jaxpr, parse_rules(None)) == [PRODUCT, ARGUMENT]
 True
 """
 
@@ -31,7 +44,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 from jmp_policy._dtypes import is_floating_dtype
 from jmp_policy.autocast._rules import Rules
 
-ARGUMENT, PRODUCT, KEPT = 0, 1, 2
+LITERAL, ARGUMENT, PRODUCT, KEPT = 0, 1, 2, 3
 
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
           "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
@@ -40,7 +53,7 @@ _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_ca
 
 
 def output_kinds(jaxpr: Jaxpr, rules: Rules, scope: str = "") -> list[int]:
-    """The kind of each output of ``jaxpr`` (inputs and constants are `ARGUMENT`)."""
+    """The kind of each output of ``jaxpr`` (inputs and closed-over arrays are `ARGUMENT`)."""
     return _kinds(jaxpr, [ARGUMENT] * len(jaxpr.invars), rules, scope)
 
 
@@ -48,7 +61,7 @@ def _kinds(jaxpr: Jaxpr, in_kinds: Sequence[int], rules: Rules, scope: str) -> l
     env: dict[Any, int] = dict(zip(jaxpr.invars, in_kinds))
 
     def kind(v: Any) -> int:
-        return ARGUMENT if isinstance(v, Literal) else env.get(v, ARGUMENT)
+        return LITERAL if isinstance(v, Literal) else env.get(v, ARGUMENT)
 
     for eqn in jaxpr.eqns:
         path = "/".join(p for p in (scope, str(eqn.source_info.name_stack)) if p)
@@ -68,17 +81,32 @@ def _equation(eqn: JaxprEqn, ins: list[int], rules: Rules, path: str) -> list[in
         return _loop(eqn.params["body_jaxpr"], ins[cn:], n_out, rules, path, slice(bn, None))
     if name == "cond":
         branches = [_kinds(*_open(b), ins[1:], rules, path) for b in eqn.params["branches"]]
-        return [max(ks) for ks in zip(*branches)]
+        return [_choice(ks) for ks in zip(*branches)]
     if not any(is_floating_dtype(v.aval.dtype) for v in eqn.outvars if hasattr(v.aval, "dtype")):
         return [ARGUMENT] * n_out
-    if name == "convert_element_type" or rules.scopes_in(path):
+    if name == "select_n" and not rules.scopes_in(path):
+        return [_choice(ins[1:])] * n_out
+    if rules.scopes_in(path):
         return [KEPT] * n_out
+    if name == "convert_element_type":  # a cast fn wrote, unless of a literal (jnp.where's fill)
+        return [LITERAL if ins == [LITERAL] else KEPT] * n_out
     cls = rules.classes.get(name)
     if cls == "matmul":
         return [PRODUCT] * n_out
     if cls == "float32":
         return [KEPT] * n_out
     return [max(ins, default=ARGUMENT)] * n_out
+
+
+def _choice(alternatives: Sequence[int]) -> int:
+    """The kind of a value that is one of ``alternatives`` (a ``select_n`` or a ``cond``).
+
+    A product stays one only if every other alternative is a product or a literal: where
+    one is an input passed through or a value kept in float32, the elements taken from it
+    are not narrowed (as ``fn`` computes them, they were never matrix work).
+    """
+    passed = [k for k in alternatives if k not in (PRODUCT, LITERAL)]
+    return max(passed) if passed else max(alternatives, default=ARGUMENT)
 
 
 def _open(jaxpr: Any) -> tuple[Jaxpr]:
@@ -99,7 +127,7 @@ def _loop(body: Any, ins: list[int], n_out: int, rules: Rules, path: str,
           carry: slice) -> list[int]:
     """A loop body's output kinds, its carries joined over iterations (kinds only grow)."""
     ins = list(ins)
-    for _ in range(3):  # three kinds: stable after at most two joins
+    for _ in range(4):  # four kinds: stable after at most three joins
         outs = _kinds(*_open(body), ins, rules, path)
         joined = [max(a, b) for a, b in zip(ins[carry], outs)]
         if joined == ins[carry]:
