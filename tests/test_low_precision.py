@@ -748,5 +748,9 @@ def test_the_step_compiles_to_the_same_kernels_for_any_number_of_same_shaped_lea
     else:
         tx, dtype = jmp_policy.low_precision_params(optax.adam(1e-3), method), BF16
     kernels = [step_kernels(tx, {f"w{i}": jax.ShapeDtypeStruct((8, 256), dtype)
-                                 for i in range(n)}) for n in (2, 6)]
-    assert kernels[0] == kernels[1]
+                                 for i in range(n)}) for n in (2, 24)]
+    # A kernel per leaf would add 22. XLA's own heuristics add a few that do not grow with
+    # the leaves: a reduction over all of them split into more levels (XLA:CPU, jax 0.11:
+    # 3 more), a scalar of Adam's no longer copied into its consumers (XLA:GPU, jax 0.11,
+    # plain Adam too).
+    assert kernels[1] - kernels[0] <= 4, kernels
