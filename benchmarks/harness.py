@@ -322,13 +322,13 @@ def kernel_bytes(text: str) -> float:
     (a deviceless compile); loop bodies count once."""
     instructions = parse_hlo(text)
     fused = fused_computations(text)
-    sizes = {i.name: _shape_bytes(i.shape) for i in instructions}
+    sizes = {i.name: shape_bytes(i.shape) for i in instructions}
     return sum(sizes[i.name] + sum(sizes.get(o, 0.0) for o in i.operands)
                for i in instructions if i.computation not in fused
                and i.opcode not in _FREE | {"while", "conditional", "call"})
 
 
-def _shape_bytes(shape: str) -> float:
+def shape_bytes(shape: str) -> float:
     """Bytes of an HLO type (a tuple's elements summed): ``f32[4,8]{1,0}`` -> 128."""
     total = 0.0
     for dtype, dims in re.findall(r"([a-z][a-z0-9]*)\[([\d,]*)\]", shape):

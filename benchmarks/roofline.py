@@ -126,15 +126,6 @@ class Kernel:
         return bool(self.gemm_dtype)
 
 
-def shape_bytes(shape: str) -> float:
-    """Bytes of an HLO type, a tuple's elements summed (``f8e4m3fn[2,4]`` -> 8)."""
-    total = 0.0
-    for dtype, dims in re.findall(r"([a-z][a-z0-9]*)\[([\d,]*)\]", shape):
-        bits = 8 if dtype == "pred" else int(re.search(r"\d+", dtype).group())
-        total += math.prod(int(d) for d in dims.split(",") if d) * bits / 8
-    return total
-
-
 def dims_of(shape: str) -> Tuple[str, List[int]]:
     """``"f32[8,16]{1,0}"`` -> ``("f32", [8, 16])``; the first array of a tuple."""
     m = re.search(r"([a-z][a-z0-9]*)\[([\d,]*)\]", shape)
@@ -216,8 +207,9 @@ def kernels(text: str) -> List[Kernel]:
         op_name = re.search(r'op_name="([^"]*)"', i.attributes)
         target = CUBLAS.search(i.attributes) if i.opcode == "custom-call" else None
         result = WORKSPACE.sub(")", i.shape) if target else i.shape
-        k = Kernel(i.name, i.opcode, result, op_name.group(1) if op_name else "",
-                   shape_bytes(result) + sum(shape_bytes(shapes.get(o, "")) for o in i.operands))
+        moved = harness.shape_bytes(result) + sum(harness.shape_bytes(shapes.get(o, ""))
+                                                  for o in i.operands)
+        k = Kernel(i.name, i.opcode, result, op_name.group(1) if op_name else "", moved)
         if target:
             k.flops, k.gemm_dtype = cublas_gemm(i, shapes)
         elif i.opcode == "fusion":
