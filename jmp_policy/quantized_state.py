@@ -70,6 +70,14 @@ from jmp_policy.low_precision import (
 
 BITS = (8, 4)
 DEFAULT_BLOCK_SIZE = {8: 256, 4: 32}
+# The state arrays quantize_state quantizes by default: the moments of optax's
+# optimizers (first and second moments, momentum traces, EMAs, sums of squares,
+# adafactor's factors, adadelta's and adan's accumulators). Not parameter copies
+# (schedule-free's z, L-BFGS's memory, lookahead's slow weights) nor accumulated or
+# previous gradients (MultiSteps' acc_grads, adan's g), which need float32's precision.
+MOMENTS = (r"\.mu\b", r"\.nu\b", r"\.nu_max\b", r"\.trace\b", r"\.ema\b",
+           r"\.sum_of_squares\b", r"\.v_row\b", r"\.v_col\b", r"\.v\b", r"\.m\b",
+           r"\.n\b", r"\.e_g\b", r"\.e_x\b")
 # optax's states that are never negative: second moments (adam, adamw, lamb,
 # rmsprop, adabelief, amsgrad's running maximum), adagrad's sums of squares,
 # adafactor's factored moments.
@@ -120,6 +128,7 @@ def quantize_state(
     block_size: Optional[int] = None,
     min_size: int = 4096,
     keep: Union[str, Sequence[str]] = (),
+    moments: Union[str, Sequence[str]] = MOMENTS,
     nonnegative: Optional[Union[str, Sequence[str]]] = None,
     rounding: str = "stochastic",
     seed: Seed = 0,
@@ -138,6 +147,10 @@ def quantize_state(
       keep: regular expressions; a state array whose key path
         (``jax.tree_util.keystr``, e.g. ``"[0].nu['embed']['embedding']"``)
         matches one stays in float32 (embeddings, as bitsandbytes advises).
+      moments: regular expressions naming (by key path) the state arrays that
+        may be quantized; default `MOMENTS`, the moments of optax's optimizers.
+        Other state (a schedule-free optimizer's parameter iterate, MultiSteps'
+        accumulated gradients) stays in float32, unless named here.
       nonnegative: 4 bits only: regular expressions naming (by key path) the
         state arrays that are never negative, stored with non-negative codes;
         default `NONNEGATIVE`, optax's second moments.
@@ -159,6 +172,7 @@ def quantize_state(
         raise ValueError(f"quantize_state: block_size must be a positive int, got {block_size!r}.")
     rounding = _check_choice("quantize_state", "rounding", rounding, ROUNDINGS)
     rules = _compiled(keep)
+    allowed = _compiled(moments)
     user_nonnegative = nonnegative is not None
     positive = _compiled(NONNEGATIVE if nonnegative is None else nonnegative)
     data, impl = _key_data(seed, 3, "quantize_state")
@@ -168,7 +182,7 @@ def quantize_state(
     def code(path: Any, unit: Any) -> Optional[str]:
         """The code of one state array (or of the node standing for it), or ``None``
         for an array kept as it is."""
-        if not _quantized_leaf(path, _array(unit), block_size, min_size, rules):
+        if not _quantized_leaf(path, _array(unit), block_size, min_size, allowed, rules):
             return None
         if bits == 8:
             return FLOAT8
@@ -184,6 +198,9 @@ def quantize_state(
         inner_state = inner.init(params)
         _refuse_inner_loss_scaling("quantize_state", inner_state)
         _check_rules(inner_state, rules, block_size, min_size, "keep")
+        if moments is not MOMENTS:
+            _check_rules(inner_state, allowed, block_size, min_size, "moments")
+        _check_some_quantized(inner_state, allowed, block_size, min_size)
         if user_nonnegative:
             _check_rules(inner_state, positive, block_size, min_size, "nonnegative")
         # The initial state is usually constant (zeros): behind the barrier, XLA
@@ -399,15 +416,32 @@ def _quantized_unit(unit: Any, code: Optional[str], block_size: int,
                           jax.tree_util.tree_unflatten(node, [q.exponents]), code)
 
 
-def _quantized_leaf(path: Any, x: Any, block_size: int, min_size: int,
-                    rules: Sequence[re.Pattern[str]]) -> bool:
+def _large_float(x: Any, min_size: int) -> bool:
     dtype = getattr(x, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or jnp.ndim(x) == 0:
-        return False
-    if np.size(x) < min_size or not _block(np.shape(x)[-1], block_size):
+    return (dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.ndim(x) > 0
+            and np.size(x) >= min_size)
+
+
+def _quantized_leaf(path: Any, x: Any, block_size: int, min_size: int,
+                    allowed: Sequence[re.Pattern[str]], rules: Sequence[re.Pattern[str]]) -> bool:
+    if not _large_float(x, min_size) or not _block(np.shape(x)[-1], block_size):
         return False
     name = jax.tree_util.keystr(path)
-    return not any(r.search(name) for r in rules)
+    return any(r.search(name) for r in allowed) and not any(r.search(name) for r in rules)
+
+
+def _check_some_quantized(state: Any, allowed: Sequence[re.Pattern[str]], block_size: int,
+                          min_size: int) -> None:
+    """Warns if large float arrays exist and ``moments`` names none of them: then every
+    step would store the whole state in float32, as if quantize_state were not there."""
+    large = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(state)
+             if _large_float(x, min_size)]
+    if large and not any(r.search(name) for name in large for r in allowed):
+        warnings.warn(
+            f"quantize_state: no state array is quantized: the moments rules name none of "
+            f"the {len(large)} large ones (e.g. {large[0]!r}). Pass moments=[...] with "
+            "regular expressions naming the optimizer's moment fields.",
+            UserWarning, stacklevel=3)
 
 
 def _compiled(rules: Union[str, Sequence[str]]) -> list[re.Pattern[str]]:
@@ -428,9 +462,7 @@ def _check_rules(state: Any, rules: Sequence[re.Pattern[str]], block_size: int,
     if argument != "keep":
         return
     odd = [name for name, x in paths
-           if getattr(x, "dtype", None) is not None and jnp.issubdtype(x.dtype, jnp.floating)
-           and np.size(x) >= min_size and jnp.ndim(x) > 0
-           and not _block(np.shape(x)[-1], block_size)]
+           if _large_float(x, min_size) and not _block(np.shape(x)[-1], block_size)]
     if odd:
         warnings.warn(
             f"quantize_state: {len(odd)} state array(s) stay in float32 because their last "

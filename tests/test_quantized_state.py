@@ -509,3 +509,63 @@ def test_the_step_compiles_to_the_same_kernels_for_any_number_of_same_shaped_lea
     kernels = [step_kernels(tx, {f"w{i}": jax.ShapeDtypeStruct((8, 256), jnp.float32)
                                  for i in range(n)}) for n in (2, 6)]
     assert kernels[0] == kernels[1]
+
+
+# --- what is quantized: the moments, not parameter copies or gradients ------------------
+
+def _kinds(state):
+    """Key path -> "quantized" or the dtype, for every large array of ``state``."""
+    leaves = jax.tree_util.tree_leaves_with_path(
+        state, is_leaf=lambda x: isinstance(x, QuantizedArray))
+    return {jax.tree_util.keystr(p): "quantized" if isinstance(x, QuantizedArray) else str(x.dtype)
+            for p, x in leaves if isinstance(x, QuantizedArray) or np.size(x) >= 4096}
+
+
+def test_parameter_iterates_and_accumulated_gradients_stay_float32():
+    params = {"w": jnp.ones((64, 128))}
+    schedule_free = _kinds(quantize_state(optax.contrib.schedule_free_adamw(1e-3)).init(params))
+    assert schedule_free[".inner_state.z['w']"] == "float32", schedule_free  # the iterate
+    assert schedule_free[".inner_state.base_optimizer_state[0].nu['w']"] == "quantized"
+    accumulated = _kinds(quantize_state(optax.MultiSteps(optax.adam(1e-3), 4)).init(params))
+    assert accumulated[".inner_state.acc_grads['w']"] == "float32", accumulated
+    assert accumulated[".inner_state.inner_opt_state[0].mu['w']"] == "quantized"
+
+
+def test_schedule_free_trains_as_in_float32_with_its_iterate_kept():
+    # The iterate z is the parameters' own history: quantized, this problem's loss ends
+    # over 2x float32's; with the moments alone quantized (the default) it matches.
+    target = jnp.asarray(np.random.default_rng(0).normal(size=(64, 128)), jnp.float32)
+    loss = lambda p: jnp.mean((p["w"] - target) ** 2)
+
+    def final_loss(tx):
+        def step(carry, _):
+            params, state = carry
+            updates, state = tx.update(jax.grad(loss)(params), state, params)
+            return (optax.apply_updates(params, updates), state), None
+
+        params = {"w": jnp.zeros((64, 128))}
+        (params, _), _ = jax.jit(lambda c: jax.lax.scan(step, c, None, 300))(
+            (params, tx.init(params)))
+        return float(loss(params))
+
+    base = optax.contrib.schedule_free_adamw(1e-1)
+    float32 = final_loss(base)
+    assert final_loss(quantize_state(base)) <= 1.2 * float32
+    assert final_loss(quantize_state(base, moments=(r"\.nu\b", r"\.z\b"))) > 2 * float32
+
+
+def test_a_state_with_no_moment_named_warns_and_moments_names_it():
+    def init(params):
+        return {"buf": jax.tree.map(jnp.zeros_like, params)}
+
+    def update(updates, state, params=None):
+        return updates, {"buf": jax.tree.map(lambda b, g: 0.9 * b + g, state["buf"], updates)}
+
+    params = {"w": jnp.ones((64, 128))}
+    with pytest.warns(UserWarning, match="no state array is quantized.*moments="):
+        quantize_state(optax.GradientTransformation(init, update)).init(params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = quantize_state(optax.GradientTransformation(init, update),
+                               moments=r"\['buf'\]").init(params)
+    assert isinstance(state.inner_state["buf"]["w"], QuantizedArray)
