@@ -53,6 +53,16 @@ def mixed_product(eqn: JaxprEqn, compute: DType, lhs: Any, rhs: Any, *rest: Any)
     i.e. float32 matrix work. The JVP below keeps tangents in the compute dtype,
     so the transposed products of the backward pass run in half precision too,
     as in a hand-written mixed-precision model.
+
+    The JVP's primal output is the forward product itself, a plain
+    ``dot_general`` (or ``ragged_dot_general``, ``conv_general_dilated``), not
+    this custom_jvp again: a differentiated product is then the primitive a
+    ``jax.checkpoint`` policy looks for (``dots_saveable`` and the like test the
+    primitive of each equation, and would see a ``custom_jvp_call`` instead), so
+    it saves the product's float32 output as it does in plain JAX rather than
+    recomputing it in the backward pass. The cost: a derivative of that primal
+    output taken by an enclosing differentiation (reverse over reverse) is JAX's
+    own, whose transposed products take a float32 cotangent.
     """
     acc = join(compute, F32)
     fwd_params = dict(eqn.params, preferred_element_type=acc)
@@ -73,7 +83,7 @@ def mixed_product(eqn: JaxprEqn, compute: DType, lhs: Any, rhs: Any, *rest: Any)
             terms.append(bind(eqn, (convert(ta, compute), b, *rest), tan_params))
         if not isinstance(tb, SymbolicZero):
             terms.append(bind(eqn, (a, convert(tb, compute), *rest), tan_params))
-        return custom(a, b, *rest), convert(functools.reduce(lax.add, terms), acc)
+        return product(a, b, *rest), convert(functools.reduce(lax.add, terms), acc)
 
     product.__name__ = eqn.primitive.name
     custom = jax.custom_jvp(product)
