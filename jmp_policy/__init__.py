@@ -39,7 +39,7 @@ from jmp_policy.transform import (
     loss_scaling,
     scaled_value_and_grad,
 )
-from jmp_policy.autocast import AutocastWarning, autocast
+from jmp_policy.autocast import AutocastWarning, autocast, dot_general
 from jmp_policy.low_precision import (
     CastState,
     KahanState,
@@ -80,6 +80,7 @@ __all__ = [
     "cast_state",
     "cast_to_half",
     "dequantize",
+    "dot_general",
     "dtype_policy",
     "get_loss_scale",
     "get_policy",

@@ -57,11 +57,14 @@ dtypes order), ``_interpreter`` (evaluation and the handler registry),
 ``_block_matmul`` (block-scaled formats and their scheme); number formats and
 rounding are ``jmp_policy.formats``. ``_higher_order`` (one handler per
 higher-order primitive), ``_modules`` (NNX state and module paths),
-``_outputs`` (the dtypes of ``fn``'s outputs), ``_api`` (`autocast` itself).
+``_outputs`` (the dtypes of ``fn``'s outputs), ``_api`` (`autocast` itself),
+``_dot_general`` (`dot_general`: autocast's product as a ``lax.dot_general``,
+for layers that take one).
 """
 
 from jmp_policy.autocast import _higher_order  # noqa: F401  (registers the handlers)
 from jmp_policy.autocast._api import autocast
+from jmp_policy.autocast._dot_general import dot_general
 from jmp_policy.autocast._fp8 import Float8Recipe
 from jmp_policy.autocast._rules import (
     FLOAT32_PRIMITIVES,
@@ -77,4 +80,5 @@ __all__ = [
     "Float8Recipe",
     "MATMUL_PRIMITIVES",
     "autocast",
+    "dot_general",
 ]
