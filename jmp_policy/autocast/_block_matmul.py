@@ -26,48 +26,77 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
 
-from jmp_policy.autocast import _blocks
+from jmp_policy.autocast import _blocks, _sharding
 from jmp_policy.autocast._fp8 import Float8Recipe, group_ids
 from jmp_policy.autocast._lattice import F32, DType, convert
 from jmp_policy.autocast._product import Contraction
 
 _HIGHEST = lax.Precision.HIGHEST
-_BMK = (((2,), (2,)), ((0,), (0,)))  # (B, M, K) x (B, N, K) -> (B, M, N)
 
 
-def _as_bmk(x: Any, contract: Sequence[int], batch: Sequence[int], pad: int) -> Any:
-    """``x`` as ``(batch, free, contracting)``, each flattened, the last padded with ``pad``
-    zeros (which add nothing to a product) to whole blocks."""
+def _arranged(x: Any, contract: Sequence[int], batch: Sequence[int], block: int) -> Any:
+    """``x`` as ``(batch, free, contracting)``, the contracting axes merged into one and
+    padded with zeros (which add nothing to a product) to whole blocks of ``block``.
+
+    Under explicit mesh axes, the contracting axis stays sharded where each shard
+    holds whole blocks (and as many); otherwise it is gathered, as a block needs all
+    its values. Merged contracting axes keep only the first one's sharding, padding
+    none (JAX's reshape and pad rules)."""
     shape = jnp.shape(x)
     free = [i for i in range(len(shape)) if i not in contract and i not in batch]
     x = lax.transpose(x, (*batch, *free, *contract))
-    x = lax.reshape(x, tuple(math.prod(shape[i] for i in axes) for axes in (batch, free, contract)))
-    return _blocks.pad_last(x, pad)
+    kept = len(batch) + len(free)
+    if len(contract) != 1:
+        for axis in range(kept + 1, len(shape)):
+            x = _sharding.gathered(x, axis)
+        x = lax.reshape(x, (*jnp.shape(x)[:kept], math.prod(shape[i] for i in contract)))
+    pad = -jnp.shape(x)[-1] % block
+    if pad:
+        x = _blocks.pad_last(_sharding.gathered(x, kept), pad)
+    return _sharding.in_whole_blocks(x, kept, block)
 
 
 def block_dot(a: Any, b: Any, dims: Any, scaling: str, formats: tuple[DType, DType], *,
               native: bool, seeds: tuple[Optional[jax.Array], Optional[jax.Array]] = (None, None),
-              ) -> jax.Array:
+              tensor_scales: tuple[Optional[jax.Array], Optional[jax.Array]] = (None, None),
+              out_sharding: Optional[NamedSharding] = None) -> jax.Array:
     """``dot_general(a, b, dims)`` in float32, both operands block-quantized along their
-    contracting axes in ``formats`` (rounded stochastically where ``seeds`` has a seed)."""
+    contracting axes in ``formats`` (rounded stochastically where ``seeds`` has a seed;
+    NVFP4's per-tensor scales computed unless given in ``tensor_scales``), the result
+    sharded as ``out_sharding`` if given (explicit mesh axes)."""
     (lc, rc), (lb, rb) = dims
-    a_shape, b_shape = jnp.shape(a), jnp.shape(b)
-    k = math.prod(a_shape[i] for i in lc)
-    pad = -k % _blocks.BLOCK_SIZES[scaling]
-    qa = _blocks.quantize_blocks(_as_bmk(a, lc, lb, pad), scaling, formats[0], seed=seeds[0])
-    qb = _blocks.quantize_blocks(_as_bmk(b, rc, rb, pad), scaling, formats[1], seed=seeds[1])
+    block = _blocks.BLOCK_SIZES[scaling]
+    # (batch, free, contracting), quantized along the last axis
+    qa, qb = (_blocks.quantize_blocks(_arranged(x, c, bt, block), scaling, fmt, seed=seed,
+                                      tensor_scale=scale)
+              for x, c, bt, fmt, seed, scale in zip((a, b), (lc, rc), (lb, rb), formats, seeds,
+                                                    tensor_scales))
+    batch = len(lb)
     if native:
-        scale = _blocks.SCALE_DTYPES[scaling]
-        out = jax.nn.scaled_matmul(qa.values, qb.values, convert(qa.scales, scale),
-                                   convert(qb.scales, scale), preferred_element_type=F32)
-    else:
-        out = lax.dot_general(qa.dequantized(), qb.dequantized(), _BMK, precision=_HIGHEST,
-                              preferred_element_type=F32)
-    out = _tensor_scaled(out, scaling, qa.tensor_scale, qb.tensor_scale)
-    free = [[s for i, s in enumerate(shape) if i not in c and i not in bt]
-            for shape, c, bt in ((a_shape, lc, lb), (b_shape, rc, rb))]
-    return lax.reshape(out, (*(a_shape[i] for i in lb), *free[0], *free[1]))
+        out = _native(qa, qb, batch, scaling)
+    else:  # the same layout as dot_general(a, b, dims)'s result: (batch, lhs free, rhs free)
+        arranged = (((qa.values.ndim - 1,), (qb.values.ndim - 1,)),
+                    (tuple(range(batch)), tuple(range(batch))))
+        out = lax.dot_general(qa.dequantized(), qb.dequantized(), arranged, precision=_HIGHEST,
+                              preferred_element_type=F32, out_sharding=out_sharding)
+    return _tensor_scaled(out, scaling, qa.tensor_scale, qb.tensor_scale)
+
+
+def _native(qa: _blocks.Blocks, qb: _blocks.Blocks, batch: int, scaling: str) -> jax.Array:
+    """The product of arranged block-quantized operands (``batch`` batch axes) as
+    ``jax.nn.scaled_matmul`` runs it, on three axes (batch, free, contracting, each
+    flattened), returned in the layout of ``dot_general``'s result; without the tensor
+    scales."""
+    def bmk(x: jax.Array) -> jax.Array:
+        shape = jnp.shape(x)
+        return lax.reshape(x, (math.prod(shape[:batch]), math.prod(shape[batch:-1]), shape[-1]))
+
+    scale = _blocks.SCALE_DTYPES[scaling]
+    out = jax.nn.scaled_matmul(bmk(qa.values), bmk(qb.values), convert(bmk(qa.scales), scale),
+                               convert(bmk(qb.scales), scale), preferred_element_type=F32)
+    return lax.reshape(out, (*jnp.shape(qa.values)[:-1], *jnp.shape(qb.values)[batch:-1]))
 
 
 def _tensor_scaled(out: jax.Array, scaling: str, sa: jax.Array, sb: jax.Array) -> jax.Array:
@@ -77,11 +106,23 @@ def _tensor_scaled(out: jax.Array, scaling: str, sa: jax.Array, sb: jax.Array) -
 
 class Deferred(NamedTuple):
     """An operand of a dense block-scaled contraction: `block_dot` quantizes it, in the
-    layout it gives the contraction, to ``dtype`` (rounded stochastically with ``seed``)."""
+    layout it gives the contraction, to ``dtype`` (rounded stochastically with ``seed``).
+    NVFP4's ``tensor_scale`` is taken from ``x`` as it is, whatever the layout: every
+    contraction that takes ``x`` computes the same one, which XLA computes once (under
+    data parallelism, one reduction across shards rather than one per contraction)."""
 
     x: Any
     dtype: DType
     seed: Optional[jax.Array]
+    tensor_scale: Optional[jax.Array]
+
+
+class Kept(NamedTuple):
+    """What the forward pass saves of a dense operand: the operand, and its NVFP4 tensor
+    scale (``None`` for MXFP8)."""
+
+    x: Any
+    tensor_scale: Optional[jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,10 +146,14 @@ class Blocks:
 
     def prepare(self, x: Any, dtype: DType, c: Contraction, position: int,
                 seed: Optional[jax.Array], rest: Sequence[Any]) -> Any:
+        if isinstance(x, Kept):
+            return Deferred(x.x, dtype, seed, x.tensor_scale)
         if isinstance(x, tuple):  # prepared already
             return x
         if not c.ragged:
-            return Deferred(x, dtype, seed)
+            tensor_scale = (_blocks.marked_tensor_scale(x) if self.recipe.scaling == "nvfp4"
+                            else None)
+            return Deferred(x, dtype, seed, tensor_scale)
         scaling, sizes = self.recipe.scaling, rest[0]
         if c.grouped:
             ids = group_ids(sizes, jnp.shape(x)[0])
@@ -123,16 +168,21 @@ class Blocks:
 
     def keep(self, x: Any, prepared: Any, dtype: DType, c: Contraction, position: int,
              rest: Sequence[Any]) -> Any:
-        return x  # quantized again along each backward contraction's own axes
+        # Quantized again along each backward contraction's own axes; a dense operand keeps
+        # its forward NVFP4 tensor scale (the same whatever the layout).
+        return Kept(x, prepared.tensor_scale) if isinstance(prepared, Deferred) else x
 
     def reuses(self, prepared: Any, c: Contraction) -> bool:
         return False
 
-    def contract(self, c: Contraction, left: Any, right: Any, rest: Sequence[Any]) -> jax.Array:
+    def contract(self, c: Contraction, left: Any, right: Any, rest: Sequence[Any],
+                 out_sharding: Optional[NamedSharding]) -> jax.Array:
         scaling = self.recipe.scaling
         if not c.ragged:
             return block_dot(left.x, right.x, c.dims, scaling, (left.dtype, right.dtype),
-                             native=self.native, seeds=(left.seed, right.seed))
+                             native=self.native, seeds=(left.seed, right.seed),
+                             tensor_scales=(left.tensor_scale, right.tensor_scale),
+                             out_sharding=out_sharding)
         out = c.dot(left[0], right[0], rest, precision=_HIGHEST, preferred_element_type=F32)
         if scaling != "nvfp4":
             return out

@@ -92,9 +92,16 @@ class Blocks(NamedTuple):
 
     def dequantized(self) -> jax.Array:
         """``values * scales`` in float32, without the tensor scale: exact."""
-        block = self.values.shape[-1] // self.scales.shape[-1]
-        scales = jnp.repeat(self.scales, block, axis=-1, total_repeat_length=self.values.shape[-1])
-        return lax.mul(formats.widen(self.values), scales)
+        shape, count = jnp.shape(self.values), jnp.shape(self.scales)[-1]
+        # Each scale repeated over its block: a broadcast and a merge of the two last axes,
+        # which keep a sharded array's blocks in their shards (``jnp.repeat`` gathers
+        # under explicit mesh axes). The scales enter as float32 numbers (a bit-exact
+        # round trip that XLA removes), not as values of their format: the numerics
+        # inspector takes the product's operand format from the values alone.
+        scales = lax.bitcast_convert_type(lax.bitcast_convert_type(self.scales, _U32), _F32)
+        blocked = lax.broadcast_in_dim(scales, (*shape[:-1], count, shape[-1] // count),
+                                       tuple(range(len(shape))))
+        return lax.mul(formats.widen(self.values), lax.reshape(blocked, shape))
 
 
 def mx_scale(amax: jax.Array, dtype: Any) -> jax.Array:
@@ -132,6 +139,12 @@ def nv_tensor_scale(x: Any) -> jax.Array:
     return lax.div(lax.max(amax, _TINY_AMAX), NVFP4_RANGE)
 
 
+def marked_tensor_scale(x: Any) -> jax.Array:
+    """`nv_tensor_scale` of ``x``, made under the ``tensor_scales`` name scope (which the
+    numerics inspector reports)."""
+    return _marked(nv_tensor_scale(x), TENSOR_SCALES)
+
+
 def block_scale(amax: jax.Array, scaling: str, dtype: Any) -> jax.Array:
     """The float32 scale of blocks whose absolute maxima are ``amax``."""
     return mx_scale(amax, dtype) if scaling == "mxfp8" else nv_scale(amax)
@@ -140,12 +153,13 @@ def block_scale(amax: jax.Array, scaling: str, dtype: Any) -> jax.Array:
 def to_format(y: jax.Array, dtype: Any, seed: Optional[jax.Array] = None) -> jax.Array:
     """Float32 ``y``, already scaled into ``dtype``'s range, clipped to it and converted
     (``formats.encode``): rounded to nearest even, or stochastically with ``seed`` (two
-    uint32 words, see ``formats.random_bits``).
+    uint32 words) and random bits salted with ``y``'s own (``formats.salted_bits``):
+    element by element, so a sharded ``y`` rounds in its shards.
 
     ``float4_e2m1fn`` has neither inf nor NaN: its rounding saturates, which is the
     clip, so the rounding itself sees the values beyond it."""
     if seed is not None:
-        return formats.encode(y, dtype, formats.random_bits(seed, jnp.shape(y)))
+        return formats.encode(y, dtype, formats.salted_bits(seed, y))
     if np.dtype(dtype) != E2M1:
         y = jnp.clip(y, -_max(dtype), _max(dtype))
     return formats.encode(y, dtype)
@@ -180,7 +194,7 @@ def quantize_blocks(x: Any, scaling: str, dtype: Any, *, seed: Optional[jax.Arra
                          f"got one of size {jnp.shape(x)[-1]}.")
     if scaling == "nvfp4":
         if tensor_scale is None:
-            tensor_scale = _marked(nv_tensor_scale(x), TENSOR_SCALES)
+            tensor_scale = marked_tensor_scale(x)
         x = lax.div(x, tensor_scale)
     else:
         tensor_scale = jnp.ones((), _F32)

@@ -480,8 +480,9 @@ def quantize(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int], 
     power of two at or below that), so nothing saturates and small values
     flush to zero only when they are that far below the maximum. A row
     (tensor) holding inf or NaN gets an inf or NaN scale and NaN values, so
-    every product it enters is NaN, never finite. With a random ``seed`` (a uint32), values
-    are rounded stochastically (``formats.round_stochastic``), else to nearest.
+    every product it enters is NaN, never finite. With a ``seed`` (two uint32 words), values
+    are rounded stochastically (``formats.round_stochastic``, random bits salted with the
+    values: ``formats.salted_bits``), else to nearest.
 
     >>> import jax.numpy as jnp
     >>> q, scale = quantize(jnp.array([3e-5, 1e-4]), jnp.float8_e4m3fn, "tensorwise", (0,))
@@ -497,8 +498,9 @@ def quantize(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int], 
 
 def _encoded(scaled: jax.Array, dtype: Any, seed: Optional[jax.Array]) -> jax.Array:
     """Float32 ``scaled`` in ``dtype``: stochastically rounded with ``seed`` (two uint32
-    words), or to nearest."""
-    bits = None if seed is None else formats.random_bits(seed, jnp.shape(scaled))
+    words) and random bits salted with the values' own (``formats.salted_bits``: element
+    by element, so a sharded array rounds in its shards), or to nearest."""
+    bits = None if seed is None else formats.salted_bits(seed, scaled)
     return formats.encode(scaled, dtype, bits)
 
 

@@ -28,7 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import JaxprEqn
+from jax.sharding import NamedSharding
 
+from jmp_policy.autocast import _sharding
 from jmp_policy.autocast._block_matmul import Blocks
 from jmp_policy.autocast._fp8 import (
     RAGGED,
@@ -104,11 +106,12 @@ class Float8:
     def reuses(self, prepared: Any, c: Contraction) -> bool:
         return self.recipe.scaling == "tensorwise"
 
-    def contract(self, c: Contraction, left: Any, right: Any, rest: Sequence[Any]) -> jax.Array:
-        out = c.dot(left[0], right[0], rest, preferred_element_type=F32)
+    def contract(self, c: Contraction, left: Any, right: Any, rest: Sequence[Any],
+                 out_sharding: Optional[NamedSharding]) -> jax.Array:
+        out = c.dot(left[0], right[0], rest, out_sharding, preferred_element_type=F32)
         if not c.ragged:
             return _scaled_product(left, right, DenseAxes.of(c.dims, left[0].ndim, right[0].ndim),
-                                   out)
+                                   out, out_sharding)
         if c.grouped:  # [groups, k, n]: lhs scaled per (group, k), g per (group, n)
             return _rescaled_groups(out, left[1], right[1])
         return _rescaled_rows(out, left[1], lax.squeeze(right[1], c.axes[1]), rest[0])
@@ -117,8 +120,10 @@ class Float8:
 # --- Rescaling ---------------------------------------------------------------------------------
 
 def _to_output(scale: jax.Array, contract: Sequence[int], batch: Sequence[int],
-               free: Sequence[int], out_free: Sequence[int], out_shape: Sequence[int]) -> Any:
-    """An operand's scale (size 1 along its contracting axes) laid out against the output."""
+               free: Sequence[int], out_free: Sequence[int], out_shape: Sequence[int],
+               out_sharding: Optional[NamedSharding]) -> Any:
+    """An operand's scale (size 1 along its contracting axes) laid out against the output
+    (and, under explicit mesh axes, sharded as it: ``out_sharding``)."""
     if math.prod(scale.shape) == 1:
         return lax.reshape(scale, ())
     kept = [a for a in range(scale.ndim) if a not in contract]
@@ -127,15 +132,18 @@ def _to_output(scale: jax.Array, contract: Sequence[int], batch: Sequence[int],
     if order != tuple(range(len(order))):  # batch axes after free ones, as in attention
         squeezed = lax.transpose(squeezed, order)
     return lax.broadcast_in_dim(squeezed, tuple(out_shape),
-                                tuple(range(len(batch))) + tuple(out_free))
+                                tuple(range(len(batch))) + tuple(out_free),
+                                out_sharding=out_sharding)
 
 
-def _scaled_product(a: Quantized, b: Quantized, axes: DenseAxes, out: jax.Array) -> jax.Array:
+def _scaled_product(a: Quantized, b: Quantized, axes: DenseAxes, out: jax.Array,
+                    out_sharding: Optional[NamedSharding]) -> jax.Array:
     """``out``, the float32 product of float8 ``a`` and ``b``, times both operands' scales."""
+    out_sharding = _sharding.explicit(out) if out_sharding is None else out_sharding
     sa = _to_output(a[1], axes.lhs_contract, axes.lhs_batch, axes.lhs_free,
-                    axes.out_lhs_free, out.shape)
+                    axes.out_lhs_free, out.shape, out_sharding)
     sb = _to_output(b[1], axes.rhs_contract, axes.rhs_batch, axes.rhs_free,
-                    axes.out_rhs_free, out.shape)
+                    axes.out_rhs_free, out.shape, out_sharding)
     return lax.mul(lax.mul(out, sa), sb)
 
 

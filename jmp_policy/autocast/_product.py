@@ -17,7 +17,14 @@ Every operand of every contraction is quantized along the axes that contraction
 sums over: a forward operand is quantized again for its backward contraction
 (a scheme keeps what it can: a tensorwise operand serves every contraction).
 The incoming gradient takes ``recipe.bwd_dtype``, rounded stochastically if the
-recipe says so, with a seed drawn from its values (``formats.seed_from_values``).
+recipe says so: each value with random bits salted with its own bits
+(``formats.salted_bits``) and a fixed seed per backward contraction, so that the
+draws change as the values do, no state is carried, and a sharded gradient rounds
+shard by shard, with no reduction over it.
+
+Sharded products (``_sharding``): under explicit mesh axes, each contraction's result
+takes the sharding the plain product gives it (the forward one) or that of the operand
+it is the gradient of, as JAX's own transposition of a ``dot_general`` does.
 """
 
 from __future__ import annotations
@@ -30,7 +37,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import JaxprEqn
 
+import numpy as np
+from jax.sharding import NamedSharding
+
 from jmp_policy import formats
+from jmp_policy.autocast import _sharding
 from jmp_policy.autocast._fp8 import RAGGED, WEIGHT_GRADIENT, Float8Recipe, in_groups, ragged_dims
 from jmp_policy.autocast._interpreter import bind
 from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, join
@@ -63,9 +74,11 @@ class Contraction:
     perm: Optional[tuple[int, ...]] = None
     eqn: Optional[JaxprEqn] = None
 
-    def dot(self, left: Any, right: Any, rest: Sequence[Any], **params: Any) -> jax.Array:
+    def dot(self, left: Any, right: Any, rest: Sequence[Any],
+            out_sharding: Optional[NamedSharding] = None, **params: Any) -> jax.Array:
         """The contraction of ``left`` and ``right`` as JAX computes it, with ``params``
-        (``preferred_element_type``, ``precision``)."""
+        (``preferred_element_type``, ``precision``), its result sharded as
+        ``out_sharding`` if given (see `result_sharding`)."""
         if self.eqn is not None:  # bound as traced: the parameters hold canonical values
             precision = params.pop("precision", None)
             if precision is not None:
@@ -75,7 +88,19 @@ class Contraction:
             return out
         if self.ragged:
             return lax.ragged_dot_general(left, right, rest[0], self.dims, **params)
-        return lax.dot_general(left, right, self.dims, **params)
+        return lax.dot_general(left, right, self.dims, out_sharding=out_sharding, **params)
+
+    def result_sharding(self, operand: Any) -> Optional[NamedSharding]:
+        """Under explicit mesh axes, the sharding this contraction's result takes: the
+        forward one's that of the traced product's result, a gradient's that of
+        ``operand`` (the operand it is the gradient of, or a value of its type) before
+        `arranged`'s transpose. ``None`` elsewhere, and for ragged products, which keep
+        JAX's rule."""
+        if self.ragged:
+            return None
+        if self.eqn is not None:
+            return _sharding.explicit(self.eqn.outvars[0].aval)
+        return _sharding.permuted(_sharding.explicit(operand), self.perm)
 
     def arranged(self, out: jax.Array) -> jax.Array:
         """The contraction's result in the layout of the operand it is the gradient of."""
@@ -144,8 +169,10 @@ class Scheme(Protocol):
     def reuses(self, prepared: Any, c: Contraction) -> bool:
         """Whether an operand prepared for one contraction serves ``c`` as it is."""
 
-    def contract(self, c: Contraction, left: Any, right: Any, rest: Sequence[Any]) -> jax.Array:
-        """``c`` of prepared operands, in float32 and rescaled."""
+    def contract(self, c: Contraction, left: Any, right: Any, rest: Sequence[Any],
+                 out_sharding: Optional[NamedSharding]) -> jax.Array:
+        """``c`` of prepared operands, in float32 and rescaled, sharded as ``out_sharding``
+        if given (`Contraction.result_sharding`)."""
 
 
 def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
@@ -168,16 +195,19 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
     fmt = {"lhs": operand_formats[0], "rhs": operand_formats[1], "g": recipe.bwd_dtype}
     fwd, d_lhs, d_rhs = layout.forward, layout.lhs_gradient, layout.rhs_gradient
 
-    def seed(g: Any, c: Contraction) -> Optional[jax.Array]:
-        # The salt tells apart the two backward contractions' roundings of g.
+    def seed(c: Contraction) -> Optional[jax.Array]:
+        # Fixed, the values salting the bits: the salt tells apart the two backward
+        # contractions' roundings of g.
         salt = 1 if c is d_lhs else 2
-        return formats.seed_from_values(g, salt) if recipe.stochastic_rounding else None
+        return jnp.asarray(np.array([salt, _SEED_WORD], np.uint32)) \
+            if recipe.stochastic_rounding else None
 
     def forward(a: Any, b: Any, rest: Sequence[Any]) -> tuple[Any, Any, Any, Any]:
         a = layout.masked(a, rest)
         qa = scheme.prepare(a, fmt["lhs"], fwd, 0, None, rest)
         qb = scheme.prepare(b, fmt["rhs"], fwd, 1, None, rest)
-        return convert(scheme.contract(fwd, qa, qb, rest), acc), a, qa, qb
+        out = scheme.contract(fwd, qa, qb, rest, fwd.result_sharding(a))
+        return convert(out, acc), a, qa, qb
 
     def product(a: Any, b: Any, *rest: Any) -> Any:
         return forward(a, b, rest)[0]
@@ -191,21 +221,26 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
 
     def product_bwd(res: tuple[Any, Any, Any], g: Any) -> tuple[Any, ...]:
         a_res, b_res, rest = res
+        # Each gradient is sharded as its operand (the residuals have the operands' types).
+        lhs_sharding = d_lhs.result_sharding(_array_of(a_res))
+        rhs_sharding = d_rhs.result_sharding(_array_of(b_res))
         g = layout.masked(g, rest)
-        g_lhs = scheme.prepare(g, fmt["g"], d_lhs, 0, seed(g, d_lhs), rest)
+        g_lhs = scheme.prepare(g, fmt["g"], d_lhs, 0, seed(d_lhs), rest)
         grad_lhs = scheme.contract(
-            d_lhs, g_lhs, scheme.prepare(b_res, fmt["rhs"], d_lhs, 1, None, rest), rest)
+            d_lhs, g_lhs, scheme.prepare(b_res, fmt["rhs"], d_lhs, 1, None, rest), rest,
+            lhs_sharding)
         if recipe.float8_weight_gradient:
             at = d_rhs.operands.index("g")
             g_rhs = g_lhs if scheme.reuses(g_lhs, d_rhs) else \
-                scheme.prepare(g, fmt["g"], d_rhs, at, seed(g, d_rhs), rest)
+                scheme.prepare(g, fmt["g"], d_rhs, at, seed(d_rhs), rest)
             a_rhs = scheme.prepare(a_res, fmt["lhs"], d_rhs, 1 - at, None, rest)
             grad_rhs = scheme.contract(d_rhs, *((g_rhs, a_rhs) if at == 0 else (a_rhs, g_rhs)),
-                                       rest)
+                                       rest, rhs_sharding)
         else:  # as the matmul class's backward products: compute-dtype operands and result
             named = {"g": convert(g, compute), "lhs": convert(a_res, compute)}
             left, right = (named[n] for n in d_rhs.operands)
-            grad_rhs = d_rhs.dot(left, right, rest, preferred_element_type=compute)
+            grad_rhs = d_rhs.dot(left, right, rest, rhs_sharding,
+                                 preferred_element_type=compute)
         return (convert(d_lhs.arranged(grad_lhs), lhs_dtype),
                 convert(d_rhs.arranged(grad_rhs), rhs_dtype), *(None for _ in rest))
 
@@ -214,6 +249,16 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
     custom = jax.custom_vjp(product)
     custom.defvjp(product_fwd, product_bwd)
     return custom(lhs, rhs, *rest)
+
+
+_SEED_WORD = 0x5EED5A17
+"""The second word of the backward roundings' seeds (the first tells the two apart)."""
+
+
+def _array_of(residual: Any) -> Any:
+    """The array of an operand's type in what a scheme kept of it: the operand, or the
+    values of a quantized (or deferred) one."""
+    return residual[0] if isinstance(residual, tuple) else residual
 
 
 # --- Where each axis of a dense product goes -----------------------------------------------

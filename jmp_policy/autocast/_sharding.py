@@ -1,0 +1,90 @@
+"""Explicit sharding in autocast's quantized products.
+
+Under a mesh with ``AxisType.Explicit`` axes (``jax.set_mesh``), every array's type
+carries its sharding and JAX checks it while tracing: a product whose two operands
+are both sharded along the axes it sums over must say how its result is sharded
+(``out_sharding``), a reshape must keep each sharded axis divisible into its
+shards, and a ``custom_vjp``'s gradients must have the types of its operands.
+The quantized products follow the plain ones: each contraction's result takes
+the sharding that JAX gives the plain product (the forward) or the gradient of
+the plain product (the operand's own sharding), and an axis cut into blocks that
+do not fall within its shards is gathered first, as the blocks need all their
+values together.
+
+Under ``Auto`` axes (or no mesh) types carry no sharding: every function here
+does nothing, and XLA's partitioner places the arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+
+def explicit(x: Any) -> Optional[NamedSharding]:
+    """The sharding in ``x``'s type (an array or an abstract value) where its mesh has
+    explicit axes, else ``None``."""
+    aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
+    sharding = getattr(aval, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
+        return None
+    if not any(t == AxisType.Explicit for t in sharding.mesh.axis_types):
+        return None
+    return sharding
+
+
+def permuted(sharding: Optional[NamedSharding], perm: Optional[Sequence[int]]
+             ) -> Optional[NamedSharding]:
+    """The sharding of an array that ``lax.transpose(·, perm)`` takes to one sharded as
+    ``sharding``: axis ``perm[i]`` takes the sharding of axis ``i``."""
+    if sharding is None or perm is None:
+        return sharding
+    spec = _partitions(sharding, len(perm))
+    out: list[Any] = [None] * len(perm)
+    for i, p in enumerate(perm):
+        out[p] = spec[i]
+    return sharding.update(spec=PartitionSpec(*out))  # type: ignore[no-untyped-call]
+
+
+def _partitions(sharding: NamedSharding, ndim: int) -> tuple[Any, ...]:
+    spec = tuple(sharding.spec)
+    return spec + (None,) * (ndim - len(spec))
+
+
+def shards(x: Any, axis: int) -> int:
+    """How many shards ``x``'s type splits ``axis`` into (1 if not explicitly sharded)."""
+    sharding = explicit(x)
+    if sharding is None:
+        return 1
+    names = _partitions(sharding, jax.numpy.ndim(x))[axis]
+    if names is None:
+        return 1
+    count = 1
+    for name in names if isinstance(names, tuple) else (names,):
+        count *= sharding.mesh.shape[name]
+    return count
+
+
+def gathered(x: Any, axis: int) -> Any:
+    """``x`` with ``axis`` no longer sharded (its other axes as they were): an explicit
+    reshard, where the type shards it."""
+    sharding = explicit(x)
+    if sharding is None or shards(x, axis) == 1:
+        return x
+    spec = list(_partitions(sharding, jax.numpy.ndim(x)))
+    spec[axis] = None
+    target = sharding.update(spec=PartitionSpec(*spec))  # type: ignore[no-untyped-call]
+    return jax.sharding.reshard(x, target)  # type: ignore[no-untyped-call]
+
+
+def in_whole_blocks(x: Any, axis: int, block: int) -> Any:
+    """``x``, its ``axis`` gathered unless each of its shards holds whole blocks of
+    ``block`` values and as many blocks: so that cutting the axis into blocks keeps
+    every block within one shard, as the blocks' scales need."""
+    parts = shards(x, axis)
+    size = jax.numpy.shape(x)[axis]
+    if parts == 1 or (size % block == 0 and (size // block) % parts == 0):
+        return x
+    return gathered(x, axis)
