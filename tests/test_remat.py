@@ -37,12 +37,6 @@ POLICIES = {
 HALF = ("mixed_bfloat16", "mixed_float16")
 FLOAT8 = ("tensorwise", "rowwise")
 BLOCKS = ("mxfp8", "nvfp4")
-# The emulated block product (every backend but Blackwell GPUs) multiplies with a batch
-# axis of 1 where the product it emulates has none: the policies for products without
-# batch dimensions pass it over, dots_saveable saves it with that extra axis. The fix is
-# in _block_matmul.block_dot (benchmarks/results/remat_product_patch.diff).
-BLOCK_BATCH_AXIS = pytest.mark.xfail(
-    strict=False, reason="emulated block product has a batch axis of 1 (remat_product_patch.diff)")
 
 
 def recipe_of(name):
@@ -94,15 +88,8 @@ def check_as_plain_jax(fn, reference, policy, *xs):
     assert recomputed(fn, policy, *xs) == recomputed(reference, policy, *xs)
 
 
-def _cases():
-    for recipe in (*HALF, *FLOAT8, *BLOCKS):
-        for policy in POLICIES:
-            saves_products = policy not in ("save_only_these_names", "nothing_saveable")
-            marks = (BLOCK_BATCH_AXIS,) if recipe in BLOCKS and saves_products else ()
-            yield pytest.param(recipe, policy, marks=marks, id=f"{recipe}-{policy}")
-
-
-@pytest.mark.parametrize("recipe,policy", list(_cases()))
+@pytest.mark.parametrize("recipe", [*HALF, *FLOAT8, *BLOCKS])
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("inside", [False, True], ids=["checkpoint_of_autocast",
                                                         "autocast_of_checkpoint"])
 def test_policies_save_and_recompute_what_they_do_in_plain_jax(recipe, policy, inside):
@@ -152,8 +139,6 @@ def test_ragged_products_as_in_plain_jax(recipe):
     check_as_plain_jax(autocast(moe, **recipe_of(recipe)), moe, cp.dots_saveable, w, x)
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="_product.py names no residual yet (remat_product_patch.diff)")
 @pytest.mark.parametrize("recipe", FLOAT8)
 def test_float8_operands_kept_for_the_backward_pass_are_named(recipe):
     policy = cp.save_only_these_names("autocast_quantized_lhs", "autocast_quantized_rhs")

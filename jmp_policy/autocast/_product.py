@@ -25,6 +25,14 @@ shard by shard, with no reduction over it.
 Sharded products (``_sharding``): under explicit mesh axes, each contraction's result
 takes the sharding the plain product gives it (the forward one) or that of the operand
 it is the gradient of, as JAX's own transposition of a ``dot_general`` does.
+
+Under ``jax.checkpoint``, what the forward rule keeps of each operand for the
+backward contractions (float8 values and their scales for `Float8` schemes) is
+named `QUANTIZED_LHS` and `QUANTIZED_RHS` (``jax.ad_checkpoint.checkpoint_name``):
+``jax.checkpoint_policies.save_only_these_names(QUANTIZED_LHS, QUANTIZED_RHS)``
+saves them instead of quantizing the operands again in the backward pass. The
+forward contraction itself is a ``dot_general`` that the dot policies
+(``dots_saveable`` and the like) see.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from typing import Any, Literal, Optional, Protocol, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import JaxprEqn
 
 import numpy as np
@@ -47,6 +56,11 @@ from jmp_policy.autocast._interpreter import bind
 from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, join
 
 Name = Literal["lhs", "rhs", "g"]
+
+QUANTIZED_LHS = "autocast_quantized_lhs"
+"""The ``checkpoint_name`` of what a quantized product keeps of its left operand."""
+QUANTIZED_RHS = "autocast_quantized_rhs"
+"""The ``checkpoint_name`` of what a quantized product keeps of its right operand."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +231,9 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
         a_res = (scheme.keep(a, qa, fmt["lhs"], d_rhs, d_rhs.operands.index("lhs"), rest)
                  if recipe.float8_weight_gradient else a)
         b_res = scheme.keep(b, qb, fmt["rhs"], d_lhs, 1, rest)
-        return out, (a_res, b_res, rest)
+        named = (checkpoint_name(a_res, QUANTIZED_LHS),  # type: ignore[no-untyped-call]
+                 checkpoint_name(b_res, QUANTIZED_RHS))  # type: ignore[no-untyped-call]
+        return out, (*named, rest)
 
     def product_bwd(res: tuple[Any, Any, Any], g: Any) -> tuple[Any, ...]:
         a_res, b_res, rest = res
