@@ -111,6 +111,13 @@ def grid(mantissa: int, min_exponent: int, largest: float) -> Format:
     >>> round_nearest(jnp.array([1.2, 2.6, 0.3, 9.0]), g).tolist()
     [1.0, 3.0, 0.5, 6.0]
     """
+    # The roundings take ``largest`` for a value of the grid (the value that a value
+    # beyond it rounds to), as a dtype's largest value is.
+    exponent = max(math.frexp(largest)[1] - 1, min_exponent) if largest > 0 else 0
+    if not (math.isfinite(largest) and largest > 0
+            and (largest / 2.0 ** (exponent - mantissa)).is_integer()):
+        raise ValueError(f"grid: largest={largest} is not a positive value of a grid of "
+                         f"{mantissa} mantissa bits from 2**{min_exponent}.")
     return Format(None, mantissa, 8, min_exponent, float(largest), "saturate")
 
 
@@ -160,19 +167,13 @@ def round_nearest(x: Any, dtype: Any) -> jax.Array:
 
 
 def _round_nearest(x: jax.Array, *, format: Format) -> jax.Array:
-    """`round_nearest`, in operations that no compiler rewrite of conversions removes."""
-    fmt = format
-    # Normal values. An IEEE format's own exponent range gives its overflow to inf;
-    # the others keep float32's (nothing overflows) and overflow as `_overflowed` says.
-    ieee = fmt.overflow == "inf"
-    rounded = lax.reduce_precision(x, exponent_bits=fmt.exponent_bits if ieee else 8,
-                                   mantissa_bits=fmt.mantissa)
-    if not fmt.f32_range:  # subnormals (flushed above): multiples of the smallest, as integers
-        k = fmt.mantissa - fmt.min_exponent
-        sub = lax.mul(lax.round(lax.mul(x, _power_of_two(k)), lax.RoundingMethod.TO_NEAREST_EVEN),
-                      _power_of_two(-k))
-        rounded = lax.select(lax.abs(x) < np.float32(fmt.tiny), sub, rounded)
-    return rounded if ieee else _overflowed(x, rounded, fmt)
+    """`round_nearest`, in operations that no compiler rewrite of conversions removes: the
+    magnitude rounded (`_nearest_magnitude`), then its overflow and sign (`_overflowed`)."""
+    if format.f32_range and format.overflow == "inf":  # bfloat16: one reduce_precision does all
+        return lax.reduce_precision(x, exponent_bits=format.exponent_bits,
+                                    mantissa_bits=format.mantissa)
+    sign, magnitude = _split_sign(x)
+    return _overflowed(_nearest_magnitude(magnitude, format), sign, format)
 
 
 rounding_p = Primitive("round_to_format")
@@ -186,22 +187,87 @@ batching.defvectorized(rounding_p)  # type: ignore[no-untyped-call]
 ad.defjvp(rounding_p, lambda tangent, x, *, format: tangent)  # type: ignore[no-untyped-call]
 
 
-def _overflowed(x: jax.Array, rounded: jax.Array, fmt: Format) -> jax.Array:
-    """``rounded`` (on ``fmt``'s unbounded grid) with what lies beyond ``fmt.max`` made what
-    a conversion to a format without inf makes of it; NaN inputs give what a conversion
-    gives them."""
-    top = np.float32(fmt.max)
-    if fmt.overflow == "nan":
-        beyond = lax.abs(rounded) > top  # false for NaN, which stays NaN
-        return lax.select(beyond, jnp.full_like(rounded, np.nan), rounded)
-    # Saturating formats have no NaN either: XLA's conversion makes it -0.
-    saturated = lax.clamp(-top, rounded, top)
-    return lax.select(lax.ne(x, x), jnp.full_like(rounded, -0.0), saturated)
+# The roundings work on the float32 bit pattern, as int32, with no comparison and no
+# select: XLA:GPU splits a transpose fusion (a weight quantized for the backward
+# product) at every operation that yields a ``pred`` array, into kernels that write
+# that mask to memory and read the float32 input again. The sign bit apart, the
+# magnitude's pattern (a non-negative int32) orders as the magnitude does, so ``min``
+# and ``max`` on it clamp the value; where two cases meet at a value ``b`` of the grid,
+# each computed on the magnitude clamped to its own side gives ``b`` on the other side,
+# and their sum less ``b``'s pattern is the case the magnitude is in.
+_I32 = np.int32
+_SIGN = _I32(-(1 << 31))
+_INF = _I32(0x7F800000)
+_QUIET_NAN = _I32(0x7FC00000)
+
+
+def _pattern(value: float) -> np.int32:
+    """The bit pattern of float32 ``value``, as int32."""
+    return _I32(np.float32(value).view(_I32))
+
+
+def _split_sign(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Float32 ``x``'s sign bit and magnitude's pattern (int32)."""
+    x_bits = lax.bitcast_convert_type(x, _I32)
+    sign = lax.bitwise_and(x_bits, _SIGN)
+    return sign, lax.bitwise_xor(x_bits, sign)
+
+
+def _negative_mask(difference: jax.Array) -> jax.Array:
+    """-1 (all bits) where int32 ``difference`` is negative, 0 elsewhere: a mask for
+    ``bitwise_and``, made by an arithmetic shift instead of a comparison."""
+    return lax.shift_right_arithmetic(difference, _I32(31))
+
+
+def _nearest_magnitude(magnitude: jax.Array, fmt: Format) -> jax.Array:
+    """The pattern of ``magnitude`` (a pattern) rounded to nearest even on ``fmt``'s grid:
+    unbounded above except in an IEEE format (`Format.overflow` ``"inf"``), whose own
+    exponent range rounds to inf. NaN stays NaN."""
+    ieee = fmt.overflow == "inf"
+
+    def normal(m: jax.Array) -> jax.Array:
+        rounded = lax.reduce_precision(lax.bitcast_convert_type(m, _F32),
+                                       exponent_bits=fmt.exponent_bits if ieee else 8,
+                                       mantissa_bits=fmt.mantissa)
+        return lax.bitcast_convert_type(rounded, _I32)
+
+    if fmt.f32_range:  # the format's subnormals are float32's: reduce_precision rounds them
+        return normal(magnitude)
+    # Below `Format.tiny`, reduce_precision flushes to zero: there the grid is the
+    # multiples of the smallest subnormal, which `lax.round` finds once scaled to integers.
+    # Each part sees the magnitude clamped to its side of tiny, where the other part
+    # gives tiny itself, so that the sum of the two less tiny's pattern is the part
+    # whose side the magnitude is on (NaN: the normal part's NaN).
+    tiny = _pattern(fmt.tiny)
+    k = fmt.mantissa - fmt.min_exponent
+    low = lax.bitcast_convert_type(lax.min(magnitude, tiny), _F32)
+    sub = lax.mul(lax.round(lax.mul(low, _power_of_two(k)), lax.RoundingMethod.TO_NEAREST_EVEN),
+                  _power_of_two(-k))
+    return lax.add(lax.sub(normal(lax.max(magnitude, tiny)), tiny),
+                   lax.bitcast_convert_type(sub, _I32))
+
+
+def _overflowed(rounded: jax.Array, sign: jax.Array, fmt: Format) -> jax.Array:
+    """Float32 of ``rounded`` (a magnitude's pattern on ``fmt``'s grid, unbounded above
+    unless IEEE) and ``sign``, with what lies beyond ``fmt.max`` made what a conversion to
+    ``fmt`` makes of it: inf (already, for IEEE formats), NaN, or the largest value, and
+    NaN what the conversion makes of NaN."""
+    top = _pattern(fmt.max)
+    if fmt.overflow == "nan":  # beyond the largest (inf and NaN too): NaN
+        beyond = _negative_mask(lax.sub(top, rounded))
+        rounded = lax.bitwise_or(rounded, lax.bitwise_and(beyond, _QUIET_NAN))
+    elif fmt.overflow == "saturate":
+        # No NaN either: XLA's conversion makes it -0. No finite value rounds to a NaN
+        # pattern, so the rounded pattern tells NaN inputs apart.
+        nan = _negative_mask(lax.sub(_INF, rounded))
+        rounded = lax.bitwise_and(lax.min(rounded, top), lax.bitwise_not(nan))
+        sign = lax.bitwise_or(sign, lax.bitwise_and(nan, _SIGN))
+    return lax.bitcast_convert_type(lax.bitwise_or(rounded, sign), _F32)
 
 
 def _random_fraction_bits(bits: jax.Array, count: int) -> jax.Array:
-    """The top ``count`` of 32 random ``bits``, as the low bits of a uint32."""
-    return lax.shift_right_logical(bits, _U32(32 - count))
+    """The top ``count`` of 32 random ``bits``, as the low bits of an int32."""
+    return lax.convert_element_type(lax.shift_right_logical(bits, _U32(32 - count)), _I32)
 
 
 def round_stochastic(x: Any, dtype: Any, bits: jax.Array) -> jax.Array:
@@ -223,26 +289,35 @@ def round_stochastic(x: Any, dtype: Any, bits: jax.Array) -> jax.Array:
     ([4.0, 6.0], True)
     """
     fmt = format_of(dtype)
-    x = lax.convert_element_type(x, _F32)
+    sign, magnitude = _split_sign(lax.convert_element_type(x, _F32))
+    # As in `_nearest_magnitude`, each case sees the magnitude clamped to its side of a
+    # boundary that is on the grid, where the other cases give the boundary itself.
+    top = _pattern(fmt.max)
+    within = lax.min(magnitude, top)
     dropped = _MANTISSA_BITS - fmt.mantissa
-    x_bits = lax.bitcast_convert_type(x, _U32)
-    mask = _U32((1 << dropped) - 1)
-    # Adding to the sign-magnitude bits moves the magnitude away from zero.
-    up = lax.bitcast_convert_type(
-        lax.bitwise_and(lax.add(x_bits, _random_fraction_bits(bits, dropped)), ~mask), _F32)
-    magnitude = lax.abs(x)
-    rounded = up
-    if not fmt.f32_range:
-        scaled = lax.mul(magnitude, _power_of_two(fmt.mantissa - fmt.min_exponent))
+
+    def normal(m: jax.Array) -> jax.Array:
+        return lax.bitwise_and(lax.add(m, _random_fraction_bits(bits, dropped)),
+                               _I32(-(1 << dropped)))
+
+    if fmt.f32_range:
+        rounded = normal(within)
+    else:
+        tiny = _pattern(fmt.tiny)
+        scaled = lax.mul(lax.bitcast_convert_type(lax.min(within, tiny), _F32),
+                         _power_of_two(fmt.mantissa - fmt.min_exponent))
         low = lax.floor(scaled)
         u = lax.mul(lax.convert_element_type(_random_fraction_bits(bits, 24), _F32),
                     np.float32(2.0 ** -24))
-        sub = lax.mul(lax.add(low, lax.convert_element_type(u < lax.sub(scaled, low), _F32)),
-                      np.float32(fmt.smallest))
-        rounded = lax.select(magnitude < np.float32(fmt.tiny), jnp.copysign(sub, x), up)
-    top = np.float32(fmt.max)
-    within = lax.clamp(-top, rounded, top)
-    return lax.select(magnitude <= top, within, round_nearest(x, dtype))
+        # Up where u < the fraction: the sign bit of their difference (exact in sign).
+        up = lax.shift_right_logical(lax.bitcast_convert_type(lax.sub(u, lax.sub(scaled, low)),
+                                                              _I32), _I32(31))
+        sub = lax.mul(lax.add(low, lax.convert_element_type(up, _F32)), np.float32(fmt.smallest))
+        rounded = lax.add(lax.sub(normal(lax.max(within, tiny)), tiny),
+                          lax.bitcast_convert_type(sub, _I32))
+    beyond = _nearest_magnitude(lax.max(magnitude, top), fmt)
+    rounded = lax.add(lax.sub(beyond, top), lax.min(rounded, top))
+    return _overflowed(rounded, sign, fmt)
 
 
 def widen(q: Any) -> jax.Array:

@@ -16,7 +16,9 @@ figures the tests read (sites, roundings kept, GEMMs, compile times) to a JSON f
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from typing import Any, Callable, Dict
 
 import jax
@@ -280,3 +282,35 @@ def test_rowwise_compiles_about_as_fast_as_tensorwise(program):
             seconds[kind] = min(t, seconds.get(kind, t))
     FIGURES.setdefault("compile_s", {})[program] = seconds
     assert seconds["rowwise"] <= MARGIN * seconds["tensorwise"] + SLACK_S, seconds
+
+
+# --- d. memory traffic -------------------------------------------------------------------
+
+def _unfused_pred_results(text: str) -> Dict[str, tuple]:
+    """The ``pred`` arrays that kernels of an optimized module write (instructions outside
+    fusion bodies), by instruction: their shapes."""
+    fused = xla_gpu.harness.fused_computations(text)
+    out = {}
+    for i in xla_gpu.instructions(text):
+        if i.computation in fused:
+            continue
+        shapes = [tuple(int(d) for d in dims.split(",") if d)
+                  for dims in re.findall(r"pred\[([\d,]*)\]", i.shape)]
+        if shapes:
+            out[i.name] = tuple(shapes)
+    return out
+
+
+def test_quantizing_a_weight_writes_no_rounding_masks():
+    """gpu_fp8's float8 tensorwise train step: no kernel writes a ``pred`` array the size of
+    a weight. The weights' quantization is fused with their transpose (the backward
+    product's operand); XLA:GPU splits such a transpose fusion at every operation that
+    yields a ``pred`` array, into kernels that write the mask and read the float32 weight
+    again. `formats.round_nearest` rounds with no comparison for that reason."""
+    fn, args = _mlp_train_step("tensorwise")
+    text, _ = xla_gpu.compile_for_h100(fn, *args)
+    weight_sizes = {math.prod(w.shape) for w in jax.tree.leaves(args[0]) if len(w.shape) == 2}
+    masks = {name: shapes for name, shapes in _unfused_pred_results(text).items()
+             if any(math.prod(s) in weight_sizes for s in shapes)}
+    FIGURES["weight_sized_masks"] = len(masks)
+    assert not masks, masks
