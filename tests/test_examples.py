@@ -108,3 +108,43 @@ def _flat(tree, prefix=()):
             yield prefix, value[0]
         elif isinstance(value, dict):
             yield from _flat(value, prefix + (key,))
+
+
+def test_scale_lm_quick_trains_fsdp_on_8_devices_and_writes_table_json_and_plot(tmp_path):
+    # Not run in this process like the examples above: the FSDP example needs 8 devices,
+    # and this process's JAX already has its device count. A subprocess gets 8 host
+    # devices and the suite's XLA flags (conftest.py).
+    import re
+    import subprocess
+
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                   os.environ.get("XLA_FLAGS", ""))
+    env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8")
+    table = tmp_path / "table.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "scale_lm.py"), "--quick",
+         "--out", str(tmp_path), "--json", str(table)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for run in ("float32", "bf16+fp8"):
+        assert f"| {run} " in proc.stdout  # one table row per run
+    with open(table) as f:
+        report = json.load(f)
+    assert report["devices"] == 8
+    results = report["results"]
+    assert [r["run"] for r in results] == ["float32", "bf16+fp8"]
+    for r in results:
+        assert len(r["losses"]) == 10 and all(np.isfinite(r["losses"]))
+        assert r["losses"][-1] < r["losses"][0]
+        assert np.isfinite(r["test_bits_per_byte"]) and r["params_finite"]
+        assert r["skipped_steps"] == 0
+        assert r["argument_bytes_per_device"] > 0 and r["temp_bytes_per_device"] > 0
+    f32, low = results
+    assert (f32["param_dtype"], low["param_dtype"]) == ("float32", "bfloat16")
+    assert low["final_loss_scale"] == 2.0**15  # dynamic, 10 finite steps: not grown yet
+    # bfloat16 weights and 8-bit moments: a third of float32 weights + float32 Adam.
+    assert report["ratios"]["argument_bytes_per_device"] < 0.5
+    assert set(report["ratios"]) >= {"test_bits_per_byte", "argument_bytes_per_device",
+                                     "temp_bytes_per_device", "step_time_s"}
+    png = (tmp_path / "scale_lm.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
