@@ -33,6 +33,19 @@ named `QUANTIZED_LHS` and `QUANTIZED_RHS` (``jax.ad_checkpoint.checkpoint_name``
 saves them instead of quantizing the operands again in the backward pass. The
 forward contraction itself is a ``dot_general`` that the dot policies
 (``dots_saveable`` and the like) see.
+
+Derivatives: reverse mode, first order. A ``custom_vjp`` has no forward-mode rule,
+and this one could have no consistent one: its backward pass quantizes the incoming
+gradient, which is the transpose of no linear map. So ``jax.jvp``, ``jax.jacfwd``
+and ``jax.linearize``'s linear function fail: where JAX raises that inside the
+product's call (eager, or under ``vmap``, as in ``jacfwd``), `ForwardModeError`
+says so in autocast's terms; under ``jit`` JAX raises its own ``TypeError`` ("can't
+apply forward-mode autodiff (jvp) to a custom_vjp function") when compiling.
+Differentiating the forward and backward rules themselves (``jax.hessian``,
+``jax.jvp`` or ``jax.grad`` of a gradient, ``jacrev(jacrev(f))``) would
+differentiate the quantization (tangents rounded to float8 without scales: NaN, or
+wrong by tens of percent), so their operands pass through `_first_order_only`,
+which raises `ForwardModeError` when traced with a tangent, under ``jit`` too.
 """
 
 from __future__ import annotations
@@ -262,9 +275,77 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
 
     name = recipe.scaling if recipe.blocks else "float8"
     product.__name__ = f"{name}_{eqn.primitive.name}"
+    kind = "block-scaled" if recipe.blocks else "float8"  # NVFP4's values are not float8
+    what = (f"autocast's {recipe.scaling} {kind} product ({eqn.primitive.name} of "
+            f"{_shape(lhs)} and {_shape(rhs)}{_scope(eqn)})")
+    first_order = _first_order_only(what)
+
+    def guarded_fwd(a: Any, b: Any, *rest: Any) -> tuple[Any, tuple[Any, Any, Any]]:
+        return product_fwd(first_order(a), first_order(b), *rest)
+
+    def guarded_bwd(res: tuple[Any, Any, Any], g: Any) -> tuple[Any, ...]:
+        return product_bwd(res, first_order(g))
+
     custom = jax.custom_vjp(product)
-    custom.defvjp(product_fwd, product_bwd)
-    return custom(lhs, rhs, *rest)
+    custom.defvjp(guarded_fwd, guarded_bwd)
+    try:
+        return custom(lhs, rhs, *rest)
+    except TypeError as e:  # JAX's, from evaluating (or batching) the product's JVP
+        if _JAX_NO_JVP not in str(e):
+            raise
+        raise ForwardModeError(_forward_mode_message(what)) from e
+
+
+class ForwardModeError(TypeError):
+    """Autocast's float8 or block-scaled product reached by forward-mode or second-order
+    differentiation, which it does not support (see the module docstring)."""
+
+
+_JAX_NO_JVP = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
+"""JAX's message when a ``custom_vjp`` function's JVP is evaluated."""
+
+_INSTEAD = (
+    "Take first derivatives in reverse mode (jax.grad, jax.value_and_grad, jax.vjp, "
+    "jax.jacrev); for forward-mode or second derivatives, run the function with fp8=None, "
+    "or keep this product out of float8 (Float8Recipe(exclude=...) matching its scope, or "
+    "a min_size above its smallest dimension).")
+
+
+def _forward_mode_message(what: str) -> str:
+    return (f"{what} supports reverse-mode differentiation only: it is a jax.custom_vjp "
+            "whose backward pass quantizes the incoming gradient, with no forward-mode "
+            "(JVP) rule, so jax.jvp, jax.jacfwd and jax.linearize cannot differentiate it. "
+            + _INSTEAD)
+
+
+def _second_order_message(what: str) -> str:
+    return (f"{what} has first derivatives only: differentiating its gradient "
+            "(jax.hessian, jax.jvp or jax.grad of a gradient, jax.jacrev(jax.jacrev(f))) "
+            "would differentiate the float8 quantization in its backward pass, which gives "
+            "NaN or wrong values. " + _INSTEAD)
+
+
+def _first_order_only(what: str) -> Any:
+    """The identity, raising `ForwardModeError` when differentiated: a ``custom_jvp``
+    rule runs when traced, in forward and reverse mode alike, under ``jit`` too."""
+    @jax.custom_jvp
+    def first_order(x: Any) -> Any:
+        return x
+
+    @first_order.defjvp
+    def _(primals: Any, tangents: Any) -> Any:
+        raise ForwardModeError(_second_order_message(what))
+
+    return first_order
+
+
+def _shape(x: Any) -> str:
+    return f"{np.dtype(dtype_of(x)).name}{list(jnp.shape(x))}"
+
+
+def _scope(eqn: JaxprEqn) -> str:
+    scope = str(eqn.source_info.name_stack)
+    return f" under {scope!r}" if scope else ""
 
 
 _SEED_WORD = 0x5EED5A17
