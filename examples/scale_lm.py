@@ -1,6 +1,6 @@
 """A MaxText/Gemma-style decoder LM, FSDP-sharded, with the full low-precision recipe.
 
-    python examples/scale_lm.py                 # 300 steps, a few minutes on a laptop CPU
+    python examples/scale_lm.py                 # 300 steps, ~7 min on a 2-core CPU
     python examples/scale_lm.py --quick --out /tmp/scale_lm   # 10 steps, a smoke test
 
 The model is plain JAX: RMSNorm, rotary position embeddings (RoPE),
