@@ -27,8 +27,8 @@ removes them:
 Randomness for stochastic rounding is one counter-based hash
 (`random_bits`): the bits of an element are a hash of its index in the array
 and a seed of two uint32 words. The optimizer transformations draw the seed of
-each step from the PRNG key in their state; a stateless product draws it from
-the values it rounds (``seed_from_values``).
+each step from the PRNG key in their state; a stateless product uses a fixed
+seed and salts the bits with the values it rounds (`salted_bits`).
 
 >>> import jax, jax.numpy as jnp
 >>> x = jnp.array([1.0, 1.06, 500.0, 1e-3])   # 1e-3: between 2**-10 and 2**-9
@@ -52,7 +52,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 __all__ = ["Format", "format_of", "grid", "round_nearest", "round_stochastic", "widen", "encode",
-           "scale_exponent", "random_bits", "stream_key", "salted_bits", "seed_from_values"]
+           "scale_exponent", "random_bits", "stream_key", "salted_bits"]
 
 _F32 = np.dtype(np.float32)
 _U32 = np.uint32
@@ -445,13 +445,3 @@ def salted_bits(seed: jax.Array, x: jax.Array) -> jax.Array:
     """`random_bits` for rounding float32 ``x`` with ``seed``, salted with ``x``'s own bits:
     one seed then serves every array a step rounds (see `random_bits`)."""
     return random_bits(seed, jnp.shape(x), lax.bitcast_convert_type(x, _U32))
-
-
-def seed_from_values(x: Any, salt: int) -> jax.Array:
-    """A seed (two uint32 words) drawn from the values of ``x`` and ``salt``: for a rounding
-    with no state to carry a key in, draws that change as the values do, reproducibly.
-    ``salt`` tells apart roundings of the same ``x``."""
-    x_bits = lax.bitcast_convert_type(lax.convert_element_type(x, _F32), _U32)
-    digest = jnp.sum(_mix(x_bits), dtype=_U32)  # wraps: a hash, not a sum
-    salted = _mix(lax.bitwise_xor(digest, _mix(jnp.asarray(salt, _U32))))
-    return jnp.stack([salted, _mix(lax.add(salted, _U32(0x9E3779B9)))])
