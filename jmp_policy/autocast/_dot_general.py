@@ -24,7 +24,7 @@ from jax.extend import source_info_util
 
 from jmp_policy.autocast._api import _Settings
 from jmp_policy.autocast._fp8 import (
-    SCALINGS, Float8Like, Float8Recipe, as_recipe, eligible, product_sizes)
+    SCALINGS, Float8Like, Float8Recipe, as_recipe, eligible, why_not_float8)
 from jmp_policy.autocast._fp8_matmul import FLOAT8_PRODUCTS, float8_matmul
 from jmp_policy.autocast._interpreter import Context, eval_jaxpr
 from jmp_policy.autocast._lattice import convert, is_floating
@@ -148,17 +148,7 @@ class DotGeneral:
         assert self.recipe is not None
         eqn = closed.jaxpr.eqns[0]
         lhs, rhs = (v.aval for v in eqn.invars)
-        m, k, n = product_sizes(eqn)
-        if min(m, k, n) < max(self.recipe.min_size, 1):
-            why = (f"its sizes (M={m}, K={k}, N={n}) are below the recipe's "
-                   f"min_size={self.recipe.min_size}")
-        elif not self.recipe.batched and eqn.params["dimension_numbers"][1][0]:
-            why = "it has batch dimensions and the recipe has batched=False"
-        elif self.recipe.excludes(scope):
-            why = (f"its scope {scope!r} matches the recipe's exclude (an output layer); "
-                   "Float8Recipe(exclude=()) puts it in float8")
-        else:
-            why = "it is not a floating product"
+        why = why_not_float8(self.recipe, eqn, scope) or "it is not a floating product"
         warnings.warn(
             f"{self!r}: the product of {_shape(lhs)} and {_shape(rhs)} runs in "
             f"{np.dtype(compute).name}, not float8: {why}.", AutocastWarning, stacklevel=3)

@@ -338,18 +338,29 @@ def eligible(recipe: Float8Recipe, eqn: JaxprEqn, scope: str) -> bool:
     ``recipe.exclude`` pattern matches. (A product in an autocast float32
     scope runs in float32 before this is asked.)
     """
+    return why_not_float8(recipe, eqn, scope) is None
+
+
+def why_not_float8(recipe: Float8Recipe, eqn: JaxprEqn, scope: str) -> Optional[str]:
+    """Why ``recipe`` keeps ``eqn`` out of float8 (see `eligible`), or ``None`` if it
+    does not."""
     if eqn.primitive.name == RAGGED:
         if not is_plain_ragged(eqn):
-            return False
+            return "its ragged layout is not lax.ragged_dot's"
     elif eqn.primitive.name != "dot_general" or len(eqn.invars) != 2:
-        return False
+        return "it is not a dot_general"
     if not all(is_floating_dtype(_aval(v).dtype) for v in eqn.invars[:2]):
-        return False
-    if min(product_sizes(eqn)) < max(recipe.min_size, 1):
-        return False
+        return "it is not a floating product"
+    m, k, n = product_sizes(eqn)
+    if min(m, k, n) < max(recipe.min_size, 1):
+        return (f"its sizes (M={m}, K={k}, N={n}) are below the recipe's "
+                f"min_size={recipe.min_size}")
     if not recipe.batched and eqn.params["dimension_numbers"][1][0]:
-        return False
-    return not recipe.excludes(scope)
+        return "it has batch dimensions and the recipe has batched=False"
+    if recipe.excludes(scope):
+        return (f"its scope {scope!r} matches the recipe's exclude (an output layer); "
+                "Float8Recipe(exclude=()) puts it in float8")
+    return None
 
 
 def is_plain_ragged(eqn: JaxprEqn) -> bool:
