@@ -49,7 +49,7 @@ from jmp_policy.low_precision import (
     low_precision_params,
     master_params,
 )
-from jmp_policy.autocast import Float8Recipe
+from jmp_policy.autocast import AmaxHistory, Float8Recipe, Float8State, float8_state
 from jmp_policy.inspector import NumericsReport, inspect_numerics
 from jmp_policy.quantized_state import (
     QuantizedArray, QuantizedState, dequantize, quantize_state)
@@ -57,10 +57,12 @@ from jmp_policy.quantized_state import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AmaxHistory",
     "AutocastWarning",
     "CastState",
     "DynamicLossScale",
     "Float8Recipe",
+    "Float8State",
     "KahanState",
     "LossScale",
     "LossScalingState",
@@ -82,6 +84,7 @@ __all__ = [
     "dequantize",
     "dot_general",
     "dtype_policy",
+    "float8_state",
     "get_loss_scale",
     "get_policy",
     "global_policy",

@@ -301,6 +301,12 @@ def inspect_numerics(
     resolved = as_policy(policy)
     parse_rules(rules, higher_order_names())  # bad rules are an error now, not at the call
     recipe = as_recipe(fp8)
+    if recipe is not None and recipe.delayed:
+        raise ValueError(
+            "inspect_numerics cannot take a delayed-scaling Float8Recipe: its scales depend "
+            "on amax histories of earlier steps, which one inspected call does not have. "
+            "Inspect with fp8='tensorwise' (the same formats, scaled by the values' own "
+            "maxima, which a settled history approaches).")
     positions = _argnums(argnums)
     name = _function_name(fn)
     meta = _Meta(name, resolved.name, None if recipe is None else _recipe_name(recipe),

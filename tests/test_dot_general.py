@@ -157,6 +157,8 @@ def test_bad_arguments_are_clear_errors():
         jmp_policy.dot_general("mixed_bfloat16", fp8=8)
     with pytest.raises(ValueError, match="float17"):
         jmp_policy.dot_general("float17")
+    with pytest.raises(ValueError, match=r"delayed-scaling.*float8_state"):
+        jmp_policy.dot_general("mixed_bfloat16", fp8="delayed")
     with pytest.raises(TypeError):  # JAX's own message for mismatched contracting sizes
         jmp_policy.dot_general("mixed_bfloat16")(x, w, (((0,), (0,)), ((), ())))
 

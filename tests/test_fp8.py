@@ -95,7 +95,7 @@ def test_recipe_rejects_bad_settings_naming_them(kwargs, error, match):
 
 
 def test_autocast_rejects_a_bad_fp8_argument_when_built():
-    with pytest.raises(ValueError, match="fp8 must be None, 'tensorwise', 'rowwise', 'mxfp8', 'nvfp4'"):
+    with pytest.raises(ValueError, match="fp8 must be None, 'tensorwise', 'rowwise', 'delayed', 'mxfp8', 'nvfp4'"):
         autocast(jnp.dot, "mixed_bfloat16", fp8="rowwize")
     with pytest.raises(TypeError, match="Float8Recipe; got bool True"):
         autocast(jnp.dot, "mixed_bfloat16", fp8=True)

@@ -53,7 +53,8 @@ Layout: ``_rules`` (classes and the ``rules=`` argument), ``_lattice`` (how
 dtypes order), ``_interpreter`` (evaluation and the handler registry),
 ``_matmul`` (the matmul class), ``_fp8`` (float8 recipes and quantization),
 ``_fp8_matmul`` (the float8 matmul rule and the current-scaled scheme),
-``_product`` (the one quantized product and its derivative), ``_blocks`` and
+``_product`` (the one quantized product and its derivative), ``_delayed`` (the
+amax histories of delayed scaling, and how products get them), ``_blocks`` and
 ``_block_matmul`` (block-scaled formats and their scheme); number formats and
 rounding are ``jmp_policy.formats``. ``_higher_order`` (one handler per
 higher-order primitive), ``_modules`` (NNX state and module paths),
@@ -63,7 +64,8 @@ for layers that take one).
 """
 
 from jmp_policy.autocast import _higher_order  # noqa: F401  (registers the handlers)
-from jmp_policy.autocast._api import autocast
+from jmp_policy.autocast._api import autocast, float8_state
+from jmp_policy.autocast._delayed import AmaxHistory, Float8State
 from jmp_policy.autocast._dot_general import dot_general
 from jmp_policy.autocast._fp8 import Float8Recipe
 from jmp_policy.autocast._rules import (
@@ -74,11 +76,14 @@ from jmp_policy.autocast._rules import (
 )
 
 __all__ = [
+    "AmaxHistory",
     "AutocastWarning",
     "FLOAT32_PRIMITIVES",
     "FOLLOW_PRIMITIVES",
     "Float8Recipe",
+    "Float8State",
     "MATMUL_PRIMITIVES",
     "autocast",
     "dot_general",
+    "float8_state",
 ]

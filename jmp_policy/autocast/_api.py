@@ -28,6 +28,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from jmp_policy._rules import UnmatchedRuleWarning
 from jmp_policy.autocast import _modules
+from jmp_policy.autocast._delayed import Float8State, Slots, make_state
 from jmp_policy.autocast._fp8 import Float8Like, Float8Recipe, as_recipe
 from jmp_policy.autocast._fp8_matmul import FLOAT8_PRODUCTS, float8_matmul
 from jmp_policy.autocast._interpreter import Context, eval_jaxpr, higher_order_names
@@ -110,6 +111,8 @@ def autocast(
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if recipe is not None and recipe.delayed:
+            return _delayed_call(fn, settings, args, kwargs)
         call = _Call.of(fn, args, kwargs)
         if settings.is_identity():
             if parsed.float32_scopes:  # nothing to pin, but a scope that matches nothing is reported
@@ -118,7 +121,12 @@ def autocast(
         closed = call.trace()
         return call.finish(_evaluate(closed, settings, call.values), closed, settings)
 
+    setattr(wrapped, _RECIPE, recipe)
     return wrapped
+
+
+_RECIPE = "_jmp_policy_fp8_recipe"
+"""The attribute of an autocast function holding its float8 recipe (read by `float8_state`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,12 +291,71 @@ def _output(value: Any, kind: int, output: DType) -> Any:
     return convert(value, output) if kind == PRODUCT else value
 
 
+# --- Delayed scaling --------------------------------------------------------------------
+
+class _Record:
+    """The state argument with which `float8_state` calls a delayed-scaling autocast
+    function: the call records the products it would run and returns their state."""
+
+
+def _delayed_call(fn: Callable[..., Any], settings: _Settings, args: Sequence[Any],
+                  kwargs: dict[str, Any]) -> Any:
+    """A call of a delayed-scaling autocast function: ``args`` start with the state."""
+    assert settings.recipe is not None
+    if not args or not isinstance(args[0], (Float8State, _Record)):
+        raise TypeError(
+            f"autocast({settings.name}, fp8=Float8Recipe('delayed', ...)) takes the amax "
+            "histories of its float8 products as its first argument, a jmp_policy.Float8State "
+            "made by jmp_policy.float8_state(f, *args); got "
+            f"{type(args[0]).__name__ if args else 'no argument'}.")
+    state, args = args[0], args[1:]
+    call = _Call.of(fn, args, kwargs)
+    closed = call.trace()
+    length = settings.recipe.amax_history_length
+    if isinstance(state, _Record):  # staged, not run; no NNX state written back
+        slots = Slots(length)
+        jax.make_jaxpr(lambda *v: _evaluate(closed, settings, v, slots))(*call.values)
+        return make_state(slots)
+    slots = Slots(length, state.histories, f"function {settings.name}")
+    outs = _evaluate(closed, settings, call.values, slots)
+    slots.check_all_taken()
+    return call.finish(outs, closed, settings)
+
+
+def float8_state(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Float8State:
+    """The empty amax histories of ``fn``, an autocast function with delayed float8 scaling,
+    called with ``args`` and ``kwargs`` (traced, not run).
+
+    ``fn = autocast(f, policy, fp8=Float8Recipe("delayed"))`` is called as
+    ``fn(state, *args, **kwargs)``; the gradient of its result with respect to
+    ``state`` holds what the step observed, which ``state.record(observed)`` keeps
+    for the next step (see ``jmp_policy.Float8State``). The state holds one
+    history per float8 product and operand (a history per iteration for products
+    inside ``lax.scan``), of the recipe's ``amax_history_length`` float32 values.
+
+    >>> import jax, jax.numpy as jnp, jmp_policy
+    >>> f = jmp_policy.autocast(lambda w, x: jnp.sum(x @ w), "mixed_bfloat16",
+    ...                         fp8=jmp_policy.Float8Recipe("delayed", amax_history_length=16))
+    >>> state = jmp_policy.float8_state(f, jnp.ones((32, 32)), jnp.ones((16, 32)))
+    >>> len(state.histories), state.histories[0].lhs.shape
+    (1, (16,))
+    """
+    recipe = getattr(fn, _RECIPE, None)
+    state = fn(_Record(), *args, **kwargs) if recipe is None or recipe.delayed else None
+    if not isinstance(state, Float8State):
+        raise TypeError(
+            "jmp_policy.float8_state expects a function made by jmp_policy.autocast(f, ..., "
+            f"fp8=Float8Recipe('delayed', ...)); {_name(fn)} returned {type(state).__name__}.")
+    return state
+
+
 # --- Evaluation -------------------------------------------------------------------------
 
-def _evaluate(closed: ClosedJaxpr, settings: _Settings, values: Sequence[Any]) -> list[Any]:
+def _evaluate(closed: ClosedJaxpr, settings: _Settings, values: Sequence[Any],
+              slots: Optional[Slots] = None) -> list[Any]:
     compute, _ = settings.dtypes(values)
     rule = matmul if settings.recipe is None else float8_matmul(settings.recipe)
-    ctx = Context(compute, settings.rules, rule)
+    ctx = Context(compute, settings.rules, rule, float8_slots=slots)
     outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, values)
     _warn_unmatched(settings, ctx.unmatched_scopes())
     if settings.recipe is not None and not ctx.tallied(FLOAT8_PRODUCTS):

@@ -145,7 +145,9 @@ class Blocks:
     native: bool
 
     def prepare(self, x: Any, dtype: DType, c: Contraction, position: int,
-                seed: Optional[jax.Array], rest: Sequence[Any]) -> Any:
+                seed: Optional[jax.Array], rest: Sequence[Any],
+                history: Optional[jax.Array] = None) -> Any:
+        # Block scales are current by nature (a scale per 16 or 32 values): no history.
         if isinstance(x, Kept):
             return Deferred(x.x, dtype, seed, x.tensor_scale)
         if isinstance(x, tuple):  # prepared already

@@ -92,7 +92,15 @@ def dot_general(policy: PolicyLike = None, *, fp8: Float8Like = None) -> DotGene
         raise ValueError(
             f"jmp_policy.dot_general fp8 must be None, {', '.join(map(repr, SCALINGS))} or "
             f"a jmp_policy.Float8Recipe; got {fp8!r}.")
-    return DotGeneral(as_policy(policy), as_recipe(fp8))
+    recipe = as_recipe(fp8)
+    if recipe is not None and recipe.delayed:
+        raise ValueError(
+            "jmp_policy.dot_general cannot take a delayed-scaling Float8Recipe: its scales "
+            "come from amax histories, state that a dot_general has no argument for. Wrap the "
+            "loss in jmp_policy.autocast(loss, policy, fp8=Float8Recipe('delayed')) with a "
+            "jmp_policy.float8_state instead, or use a current scaling here "
+            "(fp8='tensorwise').")
+    return DotGeneral(as_policy(policy), recipe)
 
 
 @dataclasses.dataclass(frozen=True)

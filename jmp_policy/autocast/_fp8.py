@@ -49,13 +49,16 @@ from jmp_policy.autocast._bits import INF_BITS, below, magnitude_bits, positive,
 from jmp_policy.autocast._lattice import dtype_of
 from jmp_policy.autocast._rules import scope_names
 
-Scaling = Literal["tensorwise", "rowwise", "mxfp8", "nvfp4"]
-SCALINGS: tuple[Scaling, ...] = ("tensorwise", "rowwise", "mxfp8", "nvfp4")
+Scaling = Literal["tensorwise", "rowwise", "delayed", "mxfp8", "nvfp4"]
+SCALINGS: tuple[Scaling, ...] = ("tensorwise", "rowwise", "delayed", "mxfp8", "nvfp4")
+AmaxReduction = Literal["max", "most_recent"]
+AMAX_REDUCTIONS: tuple[AmaxReduction, ...] = ("max", "most_recent")
 
 # The operand formats each scaling takes by default: (forward, gradients).
 _DEFAULT_DTYPES = {
     "tensorwise": (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)),
     "rowwise": (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)),
+    "delayed": (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)),
     # Block scales give each block its own range: gradients keep e4m3's precision, as
     # Transformer Engine's MXFP8 recipe and jax.nn.get_scaled_dot_general_config do.
     "mxfp8": (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e4m3fn)),
@@ -72,13 +75,17 @@ class Float8Recipe:
     Attributes:
       scaling: ``"tensorwise"`` (one scale per operand), ``"rowwise"`` (one
         scale per row along each operand's non-contracting dimensions, so an
-        outlier row does not crush the precision of the others), or a block
+        outlier row does not crush the precision of the others), ``"delayed"``
+        (one scale per operand, as tensorwise, computed from a history of the
+        operand's absolute maxima in earlier steps rather than from its values
+        now: the operand is read once, and its cast to float8 can run in the
+        kernel that produces it; see `jmp_policy.float8_state`), or a block
         scaling, one scale per block of consecutive values along the
         contracting dimension: ``"mxfp8"`` (blocks of 32, power-of-two
         ``float8_e8m0fnu`` scales, ``float8_e4m3fn`` values) or ``"nvfp4"``
         (blocks of 16, ``float8_e4m3fn`` scales, ``float4_e2m1fn`` values, and
-        one float32 scale per tensor). Scales come from each operand's current
-        absolute maximum: no state to carry.
+        one float32 scale per tensor). Except for ``"delayed"``, scales come
+        from each operand's current absolute maximum: no state to carry.
       fwd_dtype: format of the forward operands (activations, weights); by
         default ``float8_e4m3fn``, ``float4_e2m1fn`` for ``"nvfp4"``.
       bwd_dtype: format of the incoming gradients (cotangents) in the
@@ -128,6 +135,14 @@ class Float8Recipe:
         float32), which gives the same products on every backend. ``None``
         (the default) chooses when tracing, from the backend; ``True`` on a
         backend without it fails when compiled. Only for block scalings.
+      amax_history_length: for ``"delayed"``, how many steps of absolute maxima
+        each operand's history keeps (1024 by default, as Transformer Engine's
+        and Flax's delayed scaling).
+      amax_reduction: for ``"delayed"``, how a history gives the maximum a scale
+        maps onto the format's largest value: ``"max"`` (the largest in the
+        history, the default) or ``"most_recent"`` (the last step's). Values
+        above it saturate to the format's largest value; an empty history
+        (the first step) gives a scale of 1.
 
     >>> import jmp_policy
     >>> recipe = jmp_policy.Float8Recipe("rowwise", min_size=64)
@@ -159,6 +174,8 @@ class Float8Recipe:
     float8_weight_gradient: bool = True
     stochastic_rounding: Optional[bool] = None  # None: on for "nvfp4" only
     native: Optional[bool] = None
+    amax_history_length: int = 1024
+    amax_reduction: AmaxReduction = "max"
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -186,6 +203,7 @@ class Float8Recipe:
         if self.native is not None and not isinstance(self.native, bool):
             raise TypeError(
                 f"Float8Recipe native must be None, True or False, got {self.native!r}.")
+        self._check_delayed_fields()
         if self.blocks:
             if self.power_of_two_scales:
                 raise ValueError(
@@ -197,6 +215,28 @@ class Float8Recipe:
                 f"Float8Recipe native applies to the block scalings ('mxfp8', 'nvfp4'), not "
                 f"to scaling={self.scaling!r}, whose products are float8 dot_generals on "
                 "every backend; leave it None.")
+
+    def _check_delayed_fields(self) -> None:
+        length, reduction = self.amax_history_length, self.amax_reduction
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(
+                f"Float8Recipe amax_history_length must be a positive int, got {length!r}.")
+        if reduction not in AMAX_REDUCTIONS:
+            raise ValueError(
+                f"Float8Recipe amax_reduction must be one of "
+                f"{', '.join(map(repr, AMAX_REDUCTIONS))}, got {reduction!r}.")
+        if not self.delayed and (length, reduction) != (1024, "max"):
+            raise ValueError(
+                f"Float8Recipe amax_history_length and amax_reduction apply to "
+                f"scaling='delayed', whose scales come from a history of maxima; "
+                f"scaling={self.scaling!r} scales by current maxima. Leave them at their "
+                "defaults, or use scaling='delayed'.")
+
+    @property
+    def delayed(self) -> bool:
+        """Whether scales come from a history of maxima (``"delayed"``), a state the
+        autocast function takes (see `jmp_policy.float8_state`)."""
+        return self.scaling == "delayed"
 
     @property
     def blocks(self) -> bool:
@@ -425,7 +465,7 @@ def _compute_capability(device: Any) -> tuple[int, ...]:
 # --- Quantization --------------------------------------------------------------------------
 
 def _reduced_axes(ndim: int, scaling: str, contracting_axes: Sequence[int]) -> tuple[int, ...]:
-    if scaling == "tensorwise":
+    if scaling in ("tensorwise", "delayed"):
         return tuple(range(ndim))
     if scaling == "rowwise":
         return tuple(sorted(a % ndim for a in contracting_axes)) if ndim else ()
@@ -505,6 +545,38 @@ def quantize(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int], 
     # No clamp needed: |x| * inv <= max * (1 + 2^-24)^2, which rounds to the format's max.
     q = _encoded(scaled, dtype, seed)
     return q, lax.div(np.float32(1), inv)
+
+
+def quantize_delayed(x: Any, dtype: Any, history: jax.Array, reduction: str, *,
+                     power_of_two: bool = False,
+                     seed: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``x`` in the float8 ``dtype`` with one scale from ``history``, its earlier absolute
+    maxima (delayed scaling): returns ``(q, scale, amax)``, ``amax`` being ``x``'s own,
+    for the history of the next step.
+
+    The scale maps the history's maximum (``reduction="max"``) or its latest entry
+    (``"most_recent"``) onto ``dtype``'s largest value; an empty history (all zeros)
+    gives a scale of 1. Finite values beyond the range saturate to the largest
+    value; inf and NaN stay non-finite, so a product they enter is not finite. The
+    scale does not depend on ``x``: the cast and ``x``'s maximum are one pass over it.
+
+    >>> import jax.numpy as jnp
+    >>> history = jnp.array([0.0, 2.0, 0.5])   # the latest step first
+    >>> q, scale, amax = quantize_delayed(jnp.array([1.0, 4.0]), jnp.float8_e4m3fn, history, "max")
+    >>> (q.astype(jnp.float32) * scale).tolist(), float(amax)   # 4.0 saturates at 2.0
+    ([1.0, 2.0], 4.0)
+    """
+    x32 = lax.convert_element_type(x, _F32)
+    top = np.float32(jnp.finfo(dtype).max)  # type: ignore[no-untyped-call]
+    amax = lax.reduce_max(lax.abs(x32), tuple(range(jnp.ndim(x))))
+    recent = jnp.max(history) if reduction == "max" else history[0]
+    factor = jnp.where(recent > 0, _factor(recent, dtype, power_of_two), np.float32(1))
+    scaled = lax.mul(x32, factor)
+    # Saturate finite values; inf (and NaN) pass, so the product is not finite either.
+    scaled = jnp.where(jnp.isinf(scaled), scaled, jnp.clip(scaled, -top, top))
+    q = _encoded(scaled, dtype, seed)
+    scale = lax.broadcast_in_dim(lax.div(np.float32(1), factor), (1,) * jnp.ndim(x), ())
+    return q, scale, amax
 
 
 def _encoded(scaled: jax.Array, dtype: Any, seed: Optional[jax.Array]) -> jax.Array:

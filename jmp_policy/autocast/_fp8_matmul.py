@@ -40,8 +40,10 @@ from jmp_policy.autocast._fp8 import (
     native_block_products,
     operand_dtypes,
     quantize,
+    quantize_delayed,
     quantize_groups,
 )
+from jmp_policy.autocast._delayed import AmaxHistory
 from jmp_policy.autocast._interpreter import Context, MatmulRule
 from jmp_policy.autocast._lattice import F32, DType
 from jmp_policy.autocast._matmul import matmul
@@ -70,24 +72,43 @@ def float8_matmul(recipe: Float8Recipe) -> MatmulRule:
         # ragged ones have no native product in JAX.
         scheme = (Blocks(recipe, native_block_products(recipe) and eqn.primitive.name != RAGGED)
                   if recipe.blocks else Float8(recipe))
+        history = _history(ctx) if recipe.delayed else None
         return quantized_product(eqn, recipe, scheme, operand_dtypes(recipe, ctx.scope),
-                                 ctx.compute, *invals)
+                                 ctx.compute, *invals, history=history)
 
     return rule
 
 
+def _history(ctx: Context) -> AmaxHistory:
+    """The amax history of the delayed-scaling product ``ctx`` is at."""
+    if ctx.float8_slots is None:
+        raise TypeError(
+            f"The product under {ctx.scope!r} has a delayed-scaling Float8Recipe, whose "
+            "scales come from amax histories that only jmp_policy.autocast passes in (as its "
+            "function's first argument, a jmp_policy.Float8State). Use autocast, or a current "
+            "scaling (fp8='tensorwise').")
+    history: AmaxHistory = ctx.float8_slots.take(ctx.scope)
+    return history
+
+
 @dataclasses.dataclass(frozen=True)
 class Float8:
-    """Current-scaled float8 operands: one scale per tensor, or per row along the axes a
-    contraction keeps (per group and column where it sums each group's rows)."""
+    """Float8 operands: one scale per tensor, or per row along the axes a contraction keeps
+    (per group and column where it sums each group's rows), from the operand's current
+    maximum; or one scale per tensor from its amax history (delayed scaling: prepared
+    operands are ``(q, scale, amax)``, the third the maximum observed)."""
 
     recipe: Float8Recipe
 
     def prepare(self, x: Any, dtype: DType, c: Contraction, position: int,
-                seed: Optional[jax.Array], rest: Sequence[Any]) -> Any:
+                seed: Optional[jax.Array], rest: Sequence[Any],
+                history: Optional[jax.Array] = None) -> Any:
         if isinstance(x, tuple):  # quantized already
             return x
         power_of_two = self.recipe.power_of_two_scales
+        if history is not None:
+            return quantize_delayed(x, dtype, history, self.recipe.amax_reduction,
+                                    power_of_two=power_of_two, seed=seed)
         if c.grouped and self.recipe.scaling == "rowwise":
             sizes = rest[0]
             return quantize_groups(x, dtype, group_ids(sizes, jnp.shape(x)[0]),
@@ -104,7 +125,7 @@ class Float8:
         return self.prepare(x, dtype, c, position, None, rest)
 
     def reuses(self, prepared: Any, c: Contraction) -> bool:
-        return self.recipe.scaling == "tensorwise"
+        return self.recipe.scaling in ("tensorwise", "delayed")
 
     def contract(self, c: Contraction, left: Any, right: Any, rest: Sequence[Any],
                  out_sharding: Optional[NamedSharding]) -> jax.Array:

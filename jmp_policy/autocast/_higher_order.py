@@ -18,6 +18,7 @@ parameter a new JAX version renamed into a clear error.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Optional, Sequence
 
@@ -31,6 +32,7 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, Primitive, jaxpr_as_fun
 from jmp_policy._dtypes import is_floating_dtype
 from jmp_policy.autocast._interpreter import (
     Context, Params, autocast_jaxpr, bind, eval_jaxpr, register)
+from jmp_policy.autocast._delayed import AmaxHistory, Refused, Slots, stacked
 from jmp_policy.autocast._lattice import convert, dtype_of, join, struct
 
 
@@ -55,7 +57,30 @@ def _jit(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
     # Binding the primitive again (rather than inlining its jaxpr) keeps in/out shardings,
     # donation, layouts, the name and compiler options exactly as the user wrote them.
     jaxpr = autocast_jaxpr(ctx, Params(eqn)["jaxpr"], _dtypes(invals))
+    if any(isinstance(c, core.Tracer) for c in jaxpr.consts):
+        return _jit_with_operands(eqn, jaxpr, invals)
     return bind(eqn, invals, dict(eqn.params, jaxpr=jaxpr))
+
+
+def _jit_with_operands(eqn: JaxprEqn, jaxpr: ClosedJaxpr, invals: list[Any]) -> Any:
+    """The ``jit`` of ``jaxpr``, which closes over traced values (the amax histories of
+    delayed-scaling products inside): they become leading operands, unsharded by the
+    ``jit`` (its own operands keep their shardings), never donated."""
+    p = Params(eqn)
+    hoisted, consts = _hoist(jaxpr)
+    n = len(consts)
+    params = dict(p, jaxpr=hoisted,
+                  in_shardings=(_unspecified(),) * n + tuple(p["in_shardings"]),
+                  in_layouts=(None,) * n + tuple(p["in_layouts"]),
+                  donated_invars=(False,) * n + tuple(p["donated_invars"]))
+    return bind(eqn, [*consts, *invals], params)
+
+
+@functools.lru_cache(maxsize=None)
+def _unspecified() -> Any:
+    """``jit``'s in-sharding value for an operand with none given (read off a trace)."""
+    eqn = jax.make_jaxpr(jax.jit(lambda x: x))(np.float32(0)).eqns[0]
+    return eqn.params["in_shardings"][0]
 
 
 @register(P.closed_call_p, P.call_p)
@@ -112,8 +137,20 @@ def _zero_tangent(aval: Any) -> Any:
     return np.zeros(aval.shape, jax.dtypes.float0)
 
 
+def _refusing(ctx: Context, where: str) -> Context:
+    """``ctx`` for a body that cannot take amax histories as operands: a delayed-scaling
+    product there raises an error saying what to do."""
+    if ctx.float8_slots is None:
+        return ctx
+    return dataclasses.replace(ctx, float8_slots=Refused(where))
+
+
+_CUSTOM = "a function with its own derivative rule (jax.custom_jvp or jax.custom_vjp)"
+
+
 @register(P.custom_jvp_call_p)
 def _custom_jvp(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    ctx = _refusing(ctx, _CUSTOM)
     p = Params(eqn)
     n_consts = p["num_consts"]
     consts, args = invals[:n_consts], invals[n_consts:]
@@ -144,6 +181,7 @@ def _custom_jvp(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
 
 @register(P.custom_vjp_call_p)
 def _custom_vjp(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    ctx = _refusing(ctx, _CUSTOM)
     p = Params(eqn)
     n_consts = p["num_consts"]
     consts, args = invals[:n_consts], invals[n_consts:]
@@ -230,6 +268,8 @@ def _scan_sizes(p: Params) -> tuple[int, int]:
 
 @register(P.scan_p)
 def _scan(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    if isinstance(ctx.float8_slots, Slots):
+        return _scan_with_histories(ctx, eqn, invals)
     p = Params(eqn)
     nc, nk = _scan_sizes(p)
     d = _dtypes(invals)
@@ -253,8 +293,42 @@ def _scan(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
     return [*carry, *ys]
 
 
+def _scan_with_histories(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    """A ``scan`` whose body may run delayed-scaling products: each gets a history per
+    iteration, stacked, passed in as a scanned operand (a stack of layers gets one per
+    layer, and the backward pass returns each layer's observation in its row)."""
+    p = Params(eqn)
+    nc, nk = _scan_sizes(p)
+    d = _dtypes(invals)
+    consts_d, carry_d, xs_d = d[:nc], d[nc:nc + nk], d[nc + nk:]
+    slots = ctx.float8_slots
+    probe = Slots(slots.length)  # the body's products, counted on throwaway histories
+    carry_d, _ = _stable_carry(dataclasses.replace(ctx, float8_slots=Slots(slots.length)),
+                               p["jaxpr"], consts_d, carry_d, xs_d, slice(0, nk))
+    n_ys = len(p["jaxpr"].out_avals) - nk
+    in_d, out_d = consts_d + carry_d + xs_d, carry_d + [None] * n_ys
+    autocast_jaxpr(dataclasses.replace(ctx, float8_slots=probe), p["jaxpr"], in_d, out_d)
+    histories = stacked(slots, probe.requests, p["length"])
+    consts, xs = invals[:nc], invals[nc + nk:]
+    carry = [ctx.cast(x, dt) for x, dt in zip(invals[nc:nc + nk], carry_d)]
+
+    def step(carry: list[Any], x: tuple[list[Any], list[AmaxHistory]]) -> Any:
+        body_slots = Slots(slots.length, x[1], "lax.scan body")
+        body = autocast_jaxpr(dataclasses.replace(ctx, float8_slots=body_slots),
+                              p["jaxpr"], in_d, out_d)
+        body_slots.check_all_taken()
+        outs = jaxpr_as_fun(body)(*consts, *carry, *x[0])
+        return list(outs[:nk]), list(outs[nk:])
+
+    carry, ys = lax.scan(step, carry, (list(xs), histories), length=p["length"],
+                         reverse=p["reverse"], unroll=p["unroll"])
+    return [*carry, *ys]
+
+
 @register(P.while_p)
 def _while(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    # Its iterations are not known before it runs: no history per iteration to pass in.
+    ctx = _refusing(ctx, "a lax.while_loop (or a fori_loop with a traced trip count)")
     p = Params(eqn)
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
     d = _dtypes(invals)
@@ -274,20 +348,42 @@ def _while(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
 
 @register(P.cond_p)
 def _cond(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    if isinstance(ctx.float8_slots, Slots):
+        return _cond_with_histories(ctx, eqn, invals)
     p = Params(eqn)
     index, ops = invals[0], invals[1:]
     d = _dtypes(ops)
     traced = [autocast_jaxpr(ctx, b, d) for b in p["branches"]]
-    # Every branch must return the same types: the widest any branch produces.
+    out_d = _agreed(traced)
+    branches = tuple(t if [a.dtype for a in t.out_avals] == out_d
+                     else autocast_jaxpr(ctx, b, d, out_d)
+                     for t, b in zip(traced, p["branches"]))
+    return bind(eqn, [index, *ops], dict(p, branches=branches))
+
+
+def _agreed(traced: Sequence[ClosedJaxpr]) -> list[Any]:
+    """The output types every branch must return: the widest any branch produces."""
     out_d = []
     for avals in zip(*(t.out_avals for t in traced)):
         dts = [a.dtype for a in avals]
         floating = all(is_floating_dtype(x) for x in dts)
         out_d.append(functools.reduce(join, dts) if floating else dts[0])
-    branches = tuple(t if [a.dtype for a in t.out_avals] == out_d
-                     else autocast_jaxpr(ctx, b, d, out_d)
-                     for t, b in zip(traced, p["branches"]))
-    return bind(eqn, [index, *ops], dict(p, branches=branches))
+    return out_d
+
+
+def _cond_with_histories(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    """A ``cond`` whose branches may run delayed-scaling products: each branch's products
+    take their own histories (an untaken branch observes nothing, which
+    ``Float8State.record`` leaves alone), which the branches close over, so the
+    ``cond`` is made again through ``lax.switch``, which passes them in."""
+    p = Params(eqn)
+    index, ops = invals[0], invals[1:]
+    d = _dtypes(ops)
+    length = ctx.float8_slots.length
+    out_d = _agreed([autocast_jaxpr(dataclasses.replace(ctx, float8_slots=Slots(length)), b, d)
+                     for b in p["branches"]])
+    branches = [jaxpr_as_fun(autocast_jaxpr(ctx, b, d, out_d)) for b in p["branches"]]
+    return lax.switch(index, branches, *ops)
 
 
 def _hoist(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:

@@ -146,6 +146,8 @@ class Context:
       observe_jaxpr: entered around the evaluation of each jaxpr, nested ones
         included, inside its trace: an observer that groups its work for a
         jaxpr finishes it there.
+      float8_slots: where delayed-scaling float8 products take their amax
+        histories (``_delayed.Slots``); ``None`` without delayed scaling.
     """
 
     compute: DType
@@ -154,6 +156,7 @@ class Context:
     observe: Optional[Observer] = None
     as_traced: bool = False
     observe_jaxpr: Optional[Callable[[], ContextManager[None]]] = None
+    float8_slots: Any = None
     scope: str = ""
     pinned: bool = False
     # Ids of the casts of the evaluated jaxpr that round a float32 result back to the
@@ -399,9 +402,15 @@ def autocast_jaxpr(ctx: Context, closed: ClosedJaxpr, in_dtypes: Sequence[Any],
     rewrite = _REWRITES.get(ctx, closed, key)
     if rewrite is not None:
         rewrite.replay(ctx)
-    else:
-        rewrite = _Rewrite.of(ctx, closed, in_dtypes, out_dtypes)
-        _REWRITES.put(ctx, closed, key, rewrite)
+        ctx._state.jaxprs[(id(closed), *key)] = (closed, rewrite.jaxpr)
+        return rewrite.jaxpr
+    taken = getattr(ctx.float8_slots, "taken", 0)
+    rewrite = _Rewrite.of(ctx, closed, in_dtypes, out_dtypes)
+    if getattr(ctx.float8_slots, "taken", 0) != taken:
+        # Its products took amax histories (delayed scaling): another evaluation of the
+        # same jaxpr (a second call, a loop body's next trace) takes its own.
+        return rewrite.jaxpr
+    _REWRITES.put(ctx, closed, key, rewrite)
     ctx._state.jaxprs[(id(closed), *key)] = (closed, rewrite.jaxpr)
     return rewrite.jaxpr
 

@@ -64,6 +64,7 @@ from jax.sharding import NamedSharding
 
 from jmp_policy import formats
 from jmp_policy.autocast import _sharding
+from jmp_policy.autocast._delayed import AmaxHistory, observation
 from jmp_policy.autocast._fp8 import RAGGED, WEIGHT_GRADIENT, Float8Recipe, in_groups, ragged_dims
 from jmp_policy.autocast._interpreter import bind
 from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, join
@@ -183,10 +184,12 @@ class Scheme(Protocol):
     """How a recipe quantizes operands and multiplies them (see the module docstring)."""
 
     def prepare(self, x: Any, dtype: DType, c: Contraction, position: int,
-                seed: Optional[jax.Array], rest: Sequence[Any]) -> Any:
+                seed: Optional[jax.Array], rest: Sequence[Any],
+                history: Optional[jax.Array] = None) -> Any:
         """``x``, the operand at ``position`` (0 left, 1 right) of ``c``, quantized to
-        ``dtype`` for it (rounded stochastically with ``seed`` if given); an operand this
-        scheme already prepared for ``c`` as it is."""
+        ``dtype`` for it (rounded stochastically with ``seed`` if given, scaled from its
+        amax ``history`` if given); an operand this scheme already prepared for ``c`` as
+        it is."""
 
     def keep(self, x: Any, prepared: Any, dtype: DType, c: Contraction, position: int,
              rest: Sequence[Any]) -> Any:
@@ -204,7 +207,8 @@ class Scheme(Protocol):
 
 def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
                       operand_formats: tuple[DType, DType], compute: DType,
-                      lhs: Any, rhs: Any, *rest: Any) -> Any:
+                      lhs: Any, rhs: Any, *rest: Any,
+                      history: Optional[AmaxHistory] = None) -> Any:
     """``eqn`` (a ``dot_general``, or a ``ragged_dot_general`` with its group sizes in
     ``rest``) of ``lhs`` and ``rhs`` on quantized operands, differentiable.
 
@@ -214,6 +218,10 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
     ``recipe.bwd_dtype``) and the other operand, returned in the operand's dtype;
     with ``recipe.float8_weight_gradient`` off, rhs's gradient is a product in
     ``compute``, as the matmul class computes it. Group sizes have no gradient.
+
+    With an amax ``history`` (delayed scaling), operands are scaled from it, and its
+    cotangent is what the product observed: each operand's absolute maximum, the
+    incoming gradient's from the backward pass (``_delayed.observation``).
     """
     # This rule runs whenever the product is differentiated, possibly after this trace:
     # it keeps the equation, recipe and dtypes, never a traced value.
@@ -229,32 +237,37 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
         return jnp.asarray(np.array([salt, _SEED_WORD], np.uint32)) \
             if recipe.stochastic_rounding else None
 
-    def forward(a: Any, b: Any, rest: Sequence[Any]) -> tuple[Any, Any, Any, Any]:
+    def forward(a: Any, b: Any, h: Optional[AmaxHistory],
+                rest: Sequence[Any]) -> tuple[Any, Any, Any, Any]:
         a = layout.masked(a, rest)
-        qa = scheme.prepare(a, fmt["lhs"], fwd, 0, None, rest)
-        qb = scheme.prepare(b, fmt["rhs"], fwd, 1, None, rest)
+        qa = scheme.prepare(a, fmt["lhs"], fwd, 0, None, rest, *_of(h, "lhs"))
+        qb = scheme.prepare(b, fmt["rhs"], fwd, 1, None, rest, *_of(h, "rhs"))
         out = scheme.contract(fwd, qa, qb, rest, fwd.result_sharding(a))
         return convert(out, acc), a, qa, qb
 
-    def product(a: Any, b: Any, *rest: Any) -> Any:
-        return forward(a, b, rest)[0]
+    def product(a: Any, b: Any, h: Optional[AmaxHistory], *rest: Any) -> Any:
+        return forward(a, b, h, rest)[0]
 
-    def product_fwd(a: Any, b: Any, *rest: Any) -> tuple[Any, tuple[Any, Any, Any]]:
-        out, a, qa, qb = forward(a, b, rest)
+    def product_fwd(a: Any, b: Any, h: Optional[AmaxHistory],
+                    *rest: Any) -> tuple[Any, tuple[Any, ...]]:
+        out, a, qa, qb = forward(a, b, h, rest)
         a_res = (scheme.keep(a, qa, fmt["lhs"], d_rhs, d_rhs.operands.index("lhs"), rest)
                  if recipe.float8_weight_gradient else a)
         b_res = scheme.keep(b, qb, fmt["rhs"], d_lhs, 1, rest)
         named = (checkpoint_name(a_res, QUANTIZED_LHS),  # type: ignore[no-untyped-call]
                  checkpoint_name(b_res, QUANTIZED_RHS))  # type: ignore[no-untyped-call]
-        return out, (*named, rest)
+        # Delayed scaling: the history (for the gradient's scale) and the maxima observed.
+        seen = None if h is None else (h.grad, qa[2], qb[2])
+        return out, (*named, seen, rest)
 
-    def product_bwd(res: tuple[Any, Any, Any], g: Any) -> tuple[Any, ...]:
-        a_res, b_res, rest = res
+    def product_bwd(res: tuple[Any, ...], g: Any) -> tuple[Any, ...]:
+        a_res, b_res, seen, rest = res
         # Each gradient is sharded as its operand (the residuals have the operands' types).
         lhs_sharding = d_lhs.result_sharding(_array_of(a_res))
         rhs_sharding = d_rhs.result_sharding(_array_of(b_res))
         g = layout.masked(g, rest)
-        g_lhs = scheme.prepare(g, fmt["g"], d_lhs, 0, seed(d_lhs), rest)
+        g_lhs = scheme.prepare(g, fmt["g"], d_lhs, 0, seed(d_lhs), rest,
+                               *(() if seen is None else (seen[0],)))
         grad_lhs = scheme.contract(
             d_lhs, g_lhs, scheme.prepare(b_res, fmt["rhs"], d_lhs, 1, None, rest), rest,
             lhs_sharding)
@@ -270,8 +283,10 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
             left, right = (named[n] for n in d_rhs.operands)
             grad_rhs = d_rhs.dot(left, right, rest, rhs_sharding,
                                  preferred_element_type=compute)
+        observed = None if seen is None else AmaxHistory(
+            *(observation(m, seen[0]) for m in (seen[1], seen[2], g_lhs[2])))
         return (convert(d_lhs.arranged(grad_lhs), lhs_dtype),
-                convert(d_rhs.arranged(grad_rhs), rhs_dtype), *(None for _ in rest))
+                convert(d_rhs.arranged(grad_rhs), rhs_dtype), observed, *(None for _ in rest))
 
     name = recipe.scaling if recipe.blocks else "float8"
     product.__name__ = f"{name}_{eqn.primitive.name}"
@@ -280,16 +295,17 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
             f"{_shape(lhs)} and {_shape(rhs)}{_scope(eqn)})")
     first_order = _first_order_only(what)
 
-    def guarded_fwd(a: Any, b: Any, *rest: Any) -> tuple[Any, tuple[Any, Any, Any]]:
-        return product_fwd(first_order(a), first_order(b), *rest)
+    def guarded_fwd(a: Any, b: Any, h: Optional[AmaxHistory],
+                    *rest: Any) -> tuple[Any, tuple[Any, ...]]:
+        return product_fwd(first_order(a), first_order(b), h, *rest)
 
-    def guarded_bwd(res: tuple[Any, Any, Any], g: Any) -> tuple[Any, ...]:
+    def guarded_bwd(res: tuple[Any, ...], g: Any) -> tuple[Any, ...]:
         return product_bwd(res, first_order(g))
 
     custom = jax.custom_vjp(product)
     custom.defvjp(guarded_fwd, guarded_bwd)
     try:
-        return custom(lhs, rhs, *rest)
+        return custom(lhs, rhs, history, *rest)
     except TypeError as e:  # JAX's, from evaluating (or batching) the product's JVP
         if _JAX_NO_JVP not in str(e):
             raise
@@ -350,6 +366,11 @@ def _scope(eqn: JaxprEqn) -> str:
 
 _SEED_WORD = 0x5EED5A17
 """The second word of the backward roundings' seeds (the first tells the two apart)."""
+
+
+def _of(history: Optional[AmaxHistory], name: str) -> tuple[Any, ...]:
+    """``(history.<name>,)`` as the extra argument of `Scheme.prepare`, or nothing."""
+    return () if history is None else (getattr(history, name),)
 
 
 def _array_of(residual: Any) -> Any:
