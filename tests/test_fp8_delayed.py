@@ -341,6 +341,112 @@ def test_training_with_delayed_scaling_tracks_tensorwise():
     assert delayed == pytest.approx(tensorwise, rel=0.05)
 
 
+def test_linen_scan_stack_nnx_and_equinox_models_train_with_their_state():
+    nn = pytest.importorskip("flax.linen")
+    nnx = pytest.importorskip("flax.nnx")
+    eqx = pytest.importorskip("equinox")
+    x = rng(32, 64, seed=5)
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return jnp.tanh(nn.Dense(64)(h)), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            h = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=3)()(h, None)[0]
+            return nn.Dense(8, name="head")(h)
+
+    linen = Stack()
+    variables = linen.init(jax.random.key(0), x)
+    apply = autocast(lambda v, x: jnp.mean(linen.apply(v, x).astype(jnp.float32) ** 2),
+                     "mixed_bfloat16", fp8=DELAYED)
+    state = float8_state(apply, variables, x)
+    assert [h.lhs.shape for h in state.histories] == [(3, 4)]  # a history per layer; no head
+    _, _, state = train_step(apply)(state, variables, x)
+    kernels = variables["params"]["ScanBlock_0"]["Dense_0"]["kernel"]
+    np.testing.assert_allclose(state.histories[0].rhs[:, 0], jnp.max(jnp.abs(kernels), (1, 2)),
+                               rtol=1e-6)
+
+    class Mlp(nnx.Module):
+        def __init__(self, rngs):
+            self.up, self.head = nnx.Linear(64, 64, rngs=rngs), nnx.Linear(64, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(jax.nn.gelu(self.up(x)))
+
+    model = Mlp(nnx.Rngs(0))
+    f = autocast(lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2), "mixed_bfloat16",
+                 fp8=DELAYED)
+    state = float8_state(f, model, x)
+    assert state.scopes == ("Mlp/up",)
+    observed, grads = nnx.grad(f, argnums=(0, 1))(state, model, x)  # nnx.grad reads its signature
+    assert state.record(observed).histories[0].rhs[0] == jnp.max(jnp.abs(model.up.kernel[...]))
+    assert grads.up.kernel.shape == (64, 64)
+
+    class Eqx(eqx.Module):
+        up: eqx.nn.Linear
+        head: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.head(jax.nn.gelu(self.up(x)))
+
+    keys = jax.random.split(jax.random.key(1))
+    module = Eqx(eqx.nn.Linear(64, 64, key=keys[0]), eqx.nn.Linear(64, 8, key=keys[1]))
+    f = autocast(lambda m, x: jnp.mean(jax.vmap(m)(x).astype(jnp.float32) ** 2),
+                 "mixed_bfloat16", fp8=DELAYED)
+    state = float8_state(f, module, x)
+    observed, grads = eqx.filter_jit(eqx.filter_grad(lambda sm, x: f(*sm, x)))((state, module), x)
+    # Equinox multiplies weight @ x: the weight is the left operand.
+    assert len(state.histories) == 1 and observed.histories[0].lhs[0] == \
+        jnp.max(jnp.abs(module.up.weight))
+
+
+def test_a_step_that_loss_scaling_skips_leaves_the_overflowing_histories_alone():
+    """Float16 with loss scaling: a step whose backward pass overflows is skipped by
+    loss_scaling; the gradient histories observed inf and are left alone (the forward
+    operands' maxima of that step are true, and kept)."""
+    import optax
+    ws, x = layers(2), rng(32, 64)
+    f = autocast(mlp_loss, "mixed_float16", fp8=DELAYED)
+    tx = jmp_policy.loss_scaling(optax.sgd(0.1), jmp_policy.StaticLossScale(2.0 ** 15))
+    state, opt_state = float8_state(f, ws, x), tx.init(ws)
+
+    @jax.jit
+    def step(state, ws, opt_state, factor):
+        scale = jmp_policy.get_loss_scale(opt_state)
+        observed, grads = jax.grad(lambda s, w: scale.scale(f(s, w, x) * factor),
+                                   argnums=(0, 1))(state, ws)
+        updates, opt_state = tx.update(grads, opt_state, ws)
+        return state.record(observed), optax.apply_updates(ws, updates), opt_state
+
+    state, ws, opt_state = step(state, ws, opt_state, 1.0)
+    before = state
+    state, new_ws, opt_state = step(state, ws, opt_state, jnp.inf)  # the loss overflows
+    for a, b in zip(new_ws, ws):
+        np.testing.assert_array_equal(a, b)  # skipped
+    for new, old in zip(state.histories, before.histories):
+        np.testing.assert_array_equal(new.grad, old.grad)  # observed inf: left alone
+        np.testing.assert_array_equal(new.rhs[1:], old.rhs[:-1])  # the weights' maxima are true
+
+
+def test_an_orbax_checkpoint_restores_the_state(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    f = autocast(scanned_loss, "mixed_bfloat16", fp8=DELAYED)
+    ws, x = jnp.stack(layers()), rng(32, 64)
+    state = float8_state(f, ws, x)
+    _, _, state = train_step(f)(state, ws, x)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "fp8", state)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "fp8", jax.eval_shape(lambda: state))
+    assert isinstance(restored, Float8State) and restored.scopes == state.scopes
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_the_inspector_refuses_delayed_scaling_and_says_what_to_inspect():
     with pytest.raises(ValueError, match="fp8='tensorwise'"):
         jmp_policy.inspect_numerics(mlp_loss, "mixed_bfloat16", fp8="delayed")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -122,7 +123,21 @@ def autocast(
         return call.finish(_evaluate(closed, settings, call.values), closed, settings)
 
     setattr(wrapped, _RECIPE, recipe)
+    if recipe is not None and recipe.delayed:
+        _take_state_first(wrapped, fn)
     return wrapped
+
+
+def _take_state_first(wrapped: Callable[..., Any], fn: Callable[..., Any]) -> None:
+    """Gives ``wrapped`` ``fn``'s signature with the state in front, for tools that read it
+    (``nnx.grad`` binds arguments to it)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to tell (some builtins)
+        return
+    state = inspect.Parameter("fp8_state", inspect.Parameter.POSITIONAL_ONLY)
+    setattr(wrapped, "__signature__",
+            signature.replace(parameters=[state, *signature.parameters.values()]))
 
 
 _RECIPE = "_jmp_policy_fp8_recipe"

@@ -108,7 +108,7 @@ def observation(amax: jax.Array, history: jax.Array) -> jax.Array:
     """
     axes = _varying(amax) - _varying(history)
     if axes:
-        amax = lax.pmax(amax, tuple(sorted(axes)))
+        amax = lax.pmax(amax, tuple(sorted(axes)))  # type: ignore[no-untyped-call]
     return jnp.zeros(jnp.shape(history), _F32).at[0].set(amax.astype(_F32))
 
 
