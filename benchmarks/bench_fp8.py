@@ -85,6 +85,7 @@ TRAINING_RUNS: dict[str, Any] = {
     "autocast, no fp8": R(min_size=2**31),
     "tensorwise": "tensorwise",
     "rowwise": "rowwise",
+    "delayed": "delayed",
     "tensorwise, head fp8": R("tensorwise", exclude=()),
     "rowwise, head fp8": R("rowwise", exclude=()),
     "tensorwise, 2^k scales": R("tensorwise", power_of_two_scales=True),

@@ -10,7 +10,8 @@ Everything is measured against the same function under
     d_model, residual), d_model 4096 and 8192 tokens per step (batch 8 x
     sequence 1024): its train step with AdamW (params and optimizer state
     donated and fed back) and its forward + backward alone, in bfloat16 and
-    with ``fp8="tensorwise"`` / ``"rowwise"``. Target: float8 at least 1.3x
+    with ``fp8="tensorwise"`` / ``"rowwise"`` / ``"delayed"`` (scales from amax
+    histories, `jmp_policy.float8_state`, recorded every step). Target: float8 at least 1.3x
     faster per step. ``f8_gemms`` / ``gemms``: cuBLAS(Lt) GEMM custom calls of
     the optimized HLO whose target or operand types name ``f8`` (XLA's
     ``__cublas$lt$matmul$f8``), of all GEMM custom calls: each of the
@@ -46,7 +47,7 @@ import optax
 import harness
 import jmp_policy
 
-KINDS: tuple[Optional[str], ...] = (None, "tensorwise", "rowwise")
+KINDS: tuple[Optional[str], ...] = (None, "tensorwise", "rowwise", "delayed")
 SIZES = {
     "full": dict(d_model=4096, batch=8, seq=1024, sweep=(256, 512, 1024, 2048, 4096, 8192),
                  sweep_tokens=8192),
@@ -73,23 +74,54 @@ def mlp_params(d: int):
 
 
 def block_loss(kind: Optional[str]) -> Callable[..., Any]:
+    """``loss(fp8_state, p, x, y)``: the state is delayed scaling's amax histories (a
+    `jmp_policy.Float8State`), ``None`` for the other kinds, so every kind's step takes
+    the same arguments."""
     f = jmp_policy.autocast(mlp_block, "mixed_bfloat16", fp8=kind)
-    return lambda p, x, y: jnp.mean((f(p, x).astype(jnp.float32) - y) ** 2)
+    if kind == "delayed":
+        return lambda s, p, x, y: jnp.mean((f(s, p, x).astype(jnp.float32) - y) ** 2)
+    return lambda s, p, x, y: jnp.mean((f(p, x).astype(jnp.float32) - y) ** 2)
+
+
+def fp8_state(kind: Optional[str], p: Any, x: Any) -> Any:
+    """The float8 state of ``kind``'s step (``None`` but for delayed scaling); abstract
+    for abstract arguments."""
+    if kind != "delayed":
+        return None
+    f = jmp_policy.autocast(mlp_block, "mixed_bfloat16", fp8=kind)
+    return jax.eval_shape(lambda p, x: jmp_policy.float8_state(f, p, x), p, x) \
+        if isinstance(x, jax.ShapeDtypeStruct) else jmp_policy.float8_state(f, p, x)
+
+
+def init_state(kind: Optional[str], p: Any, x: Any) -> Any:
+    """The train step's state: AdamW's, and the float8 state (see `fp8_state`)."""
+    adam = (jax.eval_shape(optax.adamw(1e-4).init, p) if isinstance(x, jax.ShapeDtypeStruct)
+            else optax.adamw(1e-4).init(p))
+    return adam, fp8_state(kind, p, x)
 
 
 def train_step(kind: Optional[str]) -> Callable[..., Any]:
+    """``step(p, (adam_state, fp8_state), x, y) -> (p, state, loss)``; delayed scaling's
+    histories record the step's maxima."""
     loss_fn, tx = block_loss(kind), optax.adamw(1e-4)
 
-    def step(p, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(p, x, y)
+    def step(p, state, x, y):
+        opt_state, s = state
+        loss, (observed, grads) = jax.value_and_grad(
+            loss_fn, argnums=(0, 1))(s, p, x, y) if s is not None else \
+            (lambda l, g: (l, (None, g)))(*jax.value_and_grad(loss_fn, argnums=1)(s, p, x, y))
         updates, opt_state = tx.update(grads, opt_state, p)
-        return optax.apply_updates(p, updates), opt_state, loss
+        s = None if s is None else s.record(observed)
+        return optax.apply_updates(p, updates), (opt_state, s), loss
 
     return step
 
 
 def grad_step(kind: Optional[str]) -> Callable[..., Any]:
-    return jax.grad(block_loss(kind))
+    """``grad(p, x, y, fp8_state)``: the parameters' gradients (and, for delayed scaling,
+    the observed maxima)."""
+    loss_fn = block_loss(kind)
+    return lambda p, x, y, s: jax.grad(loss_fn, argnums=(0, 1) if s is not None else 1)(s, p, x, y)
 
 
 def gemm_figures(build: harness.Build) -> dict:
@@ -114,12 +146,14 @@ def mlp_table(report: harness.Report, size: dict, a: argparse.Namespace) -> None
     p = mlp_params(d)
     x = jax.random.normal(jax.random.key(1), (b, t, d)).astype(jnp.bfloat16)
     y = jnp.zeros((b, t, d), jnp.float32)
-    for table_id, title, make, args, carry, donate in (
+    for table_id, title, make, args_of, carry, donate in (
             ("mlp", "MLP block train step (AdamW)", train_step,
-             (p, optax.adamw(1e-4).init(p), x, y), 2, (0, 1)),
-            ("mlp-grad", "MLP block forward + backward", grad_step, (p, x, y), 0, ())):
-        cases = [harness.Case(kind_name(k), make(k), args, donate_argnums=donate, carry=carry,
-                              extra=gemm_figures, make_fn=lambda k=k, make=make: make(k))
+             lambda k: (p, init_state(k, p, x), x, y), 2, (0, 1)),
+            ("mlp-grad", "MLP block forward + backward", grad_step,
+             lambda k: (p, x, y, fp8_state(k, p, x)), 0, ())):
+        cases = [harness.Case(kind_name(k), make(k), args_of(k), donate_argnums=donate,
+                              carry=carry, extra=gemm_figures,
+                              make_fn=lambda k=k, make=make: make(k))
                  for k in KINDS]
         rows, failed = harness.measure(cases, compile_rounds=1, rounds=a.rounds, iters=a.iters)
         table = report.table(table_id, title, baseline="bfloat16", columns=MLP_COLUMNS,
@@ -139,10 +173,18 @@ SWEEP_COLUMNS = [
 ]
 
 
-def product_grad(kind: Optional[str]) -> Callable[..., Any]:
+def product(kind: Optional[str]) -> Callable[..., Any]:
+    """``f(fp8_state, x, w)``, ``x @ w`` under autocast (the state ``None`` but for delayed
+    scaling)."""
     recipe = None if kind is None else jmp_policy.Float8Recipe(kind, min_size=0)
     f = jmp_policy.autocast(jnp.matmul, "mixed_bfloat16", fp8=recipe)
-    return jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32)), (0, 1))
+    return f if kind == "delayed" else lambda s, x, w: f(x, w)
+
+
+def product_grad(kind: Optional[str]) -> Callable[..., Any]:
+    f = product(kind)
+    return jax.grad(lambda x, w, s: jnp.sum(f(s, x, w).astype(jnp.float32)),
+                    (0, 1, 2) if kind == "delayed" else (0, 1))
 
 
 def sweep_table(report: harness.Report, size: dict, a: argparse.Namespace) -> Optional[int]:
@@ -156,8 +198,11 @@ def sweep_table(report: harness.Report, size: dict, a: argparse.Namespace) -> Op
             m = size["sweep_tokens"] if shape == "tokens" else s
             x = jax.random.normal(jax.random.key(0), (m, s)).astype(jnp.bfloat16)
             w = jax.random.normal(jax.random.key(1), (s, s)) * s ** -0.5
-            cases = [harness.Case(f"{shape} {m}x{s}x{s}: {kind_name(k)}", product_grad(k), (x, w),
-                                  extra=gemm_figures, make_fn=lambda k=k: product_grad(k))
+            state = {k: jmp_policy.float8_state(product(k), x, w) if k == "delayed" else None
+                     for k in KINDS}
+            cases = [harness.Case(f"{shape} {m}x{s}x{s}: {kind_name(k)}", product_grad(k),
+                                  (x, w, state[k]), extra=gemm_figures,
+                                  make_fn=lambda k=k: product_grad(k))
                      for k in KINDS]
             rows, failed = harness.measure(cases, compile_rounds=1, rounds=a.rounds,
                                            iters=a.iters, progress=lambda _: None)

@@ -49,7 +49,6 @@ def worker(kind: str, smoke: bool) -> Dict[str, Any]:
     """Compiles the train step of ``kind`` here (the flags are this process's)."""
     import jax
     import jax.numpy as jnp
-    import optax
 
     import gpu_fp8
     size = gpu_fp8.SIZES["smoke" if smoke else "full"]
@@ -59,7 +58,7 @@ def worker(kind: str, smoke: bool) -> Dict[str, Any]:
     y = jnp.zeros((b, t, d), jnp.float32)
     recipe = None if kind == "bfloat16" else kind
     step = jax.jit(gpu_fp8.train_step(recipe), donate_argnums=(0, 1))
-    lowered = step.lower(p, optax.adamw(1e-4).init(p), x, y)
+    lowered = step.lower(p, gpu_fp8.init_state(recipe, p, x), x, y)
     t0 = time.perf_counter()
     compiled = lowered.compile()
     seconds = time.perf_counter() - t0

@@ -67,7 +67,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
 
 import gpu_fp8  # noqa: E402
 import harness  # noqa: E402
@@ -302,8 +301,8 @@ def program(which: str, kind: Optional[str], size: dict) -> Tuple[Any, tuple, tu
     x = jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16)
     y = jax.ShapeDtypeStruct((b, t, d), jnp.float32)
     if which == "train":
-        return gpu_fp8.train_step(kind), (p, jax.eval_shape(optax.adamw(1e-4).init, p), x, y), (0, 1)
-    return gpu_fp8.grad_step(kind), (p, x, y), ()
+        return gpu_fp8.train_step(kind), (p, gpu_fp8.init_state(kind, p, x), x, y), (0, 1)
+    return gpu_fp8.grad_step(kind), (p, x, y, gpu_fp8.fp8_state(kind, p, x)), ()
 
 
 def compile_hlo(fn: Any, args: tuple, donate: tuple, sharding: Any,

@@ -188,6 +188,11 @@ def make_train_step(policy: Any, config: Config = Config(), loss_scale: Any = "p
 
     With ``fp8`` (a scaling name or ``jmp_policy.Float8Recipe``), the model's
     matrix products run in float8 through ``jmp_policy.autocast``.
+
+    The optimizer state ``train_step`` carries is ``(opt_state, fp8_state)``: the
+    second is ``None``, or with delayed float8 scaling (``fp8="delayed"``) the amax
+    histories of the products (``jmp_policy.float8_state``), recorded every step.
+    ``eval_loss(params, tokens, fp8_state=None)``.
     """
     policy = jmp_policy.Policy(policy)
     model = TransformerLM(config)
@@ -195,10 +200,12 @@ def make_train_step(policy: Any, config: Config = Config(), loss_scale: Any = "p
     tx = jmp_policy.loss_scaling(optax.adamw(config.learning_rate, weight_decay=0.01),
                                  policy if loss_scale == "policy" else loss_scale)
     apply = model.apply if fp8 is None else jmp_policy.autocast(model.apply, policy, fp8=fp8)
+    delayed = fp8 == "delayed" or getattr(fp8, "delayed", False)
 
-    def loss_fn(params, tokens):
+    def loss_fn(params, tokens, fp8_state=None):
         with policies:
-            logits = apply({"params": params}, tokens[:, :-1])
+            state = (fp8_state,) if delayed else ()  # delayed scaling: the histories first
+            logits = apply(*state, {"params": params}, tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(
             logits.astype(jnp.float32), tokens[:, 1:]).mean()
 
@@ -209,14 +216,25 @@ def make_train_step(policy: Any, config: Config = Config(), loss_scale: Any = "p
 
     def init(seed: int = 0):
         params = init_params(jax.random.key(seed))
-        return params, jax.jit(tx.init)(params)
+        fp8_state = None
+        if delayed:
+            with policies:
+                fp8_state = jmp_policy.float8_state(
+                    apply, {"params": params}, jnp.zeros((1, config.seq_len - 1), jnp.int32))
+        return params, (jax.jit(tx.init)(params), fp8_state)
 
     @jax.jit
-    def train_step(params, opt_state, tokens):
+    def train_step(params, state, tokens):
+        opt_state, fp8_state = state
         scale = jmp_policy.get_loss_scale(opt_state)
-        loss, grads = jmp_policy.scaled_value_and_grad(loss_fn)(scale, params, tokens)
+        if delayed:  # the gradient for the histories holds this step's maxima
+            loss, (grads, observed) = jmp_policy.scaled_value_and_grad(loss_fn, (0, 2))(
+                scale, params, tokens, fp8_state)
+            fp8_state = fp8_state.record(observed)
+        else:
+            loss, grads = jmp_policy.scaled_value_and_grad(loss_fn)(scale, params, tokens)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), (opt_state, fp8_state), loss
 
     return init, train_step, jax.jit(loss_fn)
 
@@ -281,7 +299,7 @@ def train(policy: Any, *, steps: int = 300, seed: int = 0, config: Config = Conf
         "policy": str(policy),
         "run": name,
         "steps": steps,
-        "test_bits_per_byte": float(eval_loss(params, test_batch)) / math.log(2),
+        "test_bits_per_byte": float(eval_loss(params, test_batch, opt_state[1])) / math.log(2),
         "steps_per_s": (steps - 1) / elapsed if steps > 1 else float("nan"),
         "skipped_steps": int(optax.tree_utils.tree_get(opt_state, "skipped_steps")),
         "final_loss_scale": float(scales[-1]),
@@ -299,7 +317,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
     parser.add_argument("--fp8", nargs="+", default=[],
-                        choices=("tensorwise", "rowwise", "mxfp8", "nvfp4"),
+                        choices=("tensorwise", "rowwise", "delayed", "mxfp8", "nvfp4"),
                         help="also train the first policy with float8 matmuls, per scaling")
     parser.add_argument("--fp8-head", action="store_true",
                         help="also train the first --fp8 scaling with the logits head in float8")

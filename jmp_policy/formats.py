@@ -352,6 +352,27 @@ def encode(x: Any, dtype: Any, bits: Optional[jax.Array] = None) -> jax.Array:
     return lax.convert_element_type(x, np.dtype(dtype))
 
 
+def saturate(x: Any, bound: float) -> jax.Array:
+    """Float32 ``x`` with finite values beyond ``±bound`` (a positive float32) made
+    ``±bound``; inf and NaN stay as they are (a value that overflowed stays
+    non-finite, so what it enters is not finite either).
+
+    In integer operations on the bit pattern, without a comparison (see
+    `round_nearest`: a ``pred`` array splits XLA:GPU's transpose fusions).
+
+    >>> import jax.numpy as jnp
+    >>> saturate(jnp.array([1.0, -500.0, jnp.inf, jnp.nan]), 448.0).tolist()
+    [1.0, -448.0, inf, nan]
+    """
+    sign, magnitude = _split_sign(lax.convert_element_type(x, _F32))
+    # -1 where the magnitude is inf or NaN (its pattern at least inf's), else 0.
+    special = lax.bitwise_not(_negative_mask(lax.sub(magnitude, _INF)))
+    clamped = lax.min(magnitude, _pattern(bound))
+    magnitude = lax.bitwise_or(lax.bitwise_and(magnitude, special),
+                               lax.bitwise_and(clamped, lax.bitwise_not(special)))
+    return lax.bitcast_convert_type(lax.bitwise_or(magnitude, sign), _F32)
+
+
 def scale_exponent(amax: Any, bound: float, *, strict: bool = False) -> jax.Array:
     """Block scaling's power-of-two rule: the biased float32 exponent (int32, not clipped)
     of the smallest power of two ``s`` with ``amax / s <= bound`` (``< bound`` if

@@ -141,3 +141,14 @@ def test_scale_exponent_is_the_smallest_power_of_two_that_brings_the_maximum_wit
     ratio = (amax / np.float32(bound)).astype(np.float32).astype(np.float64)  # float32's quotient
     within = (lambda r: r < 1) if strict else (lambda r: r <= 1)
     assert within(ratio / s).all() and not within(ratio / below).any()
+
+
+def test_saturate_clamps_finite_values_and_keeps_inf_and_nan():
+    x = jnp.array([0.0, -0.0, 1e-40, 447.9, 448.0, 449.0, -3e38, jnp.inf, -jnp.inf, jnp.nan])
+    got = np.asarray(formats.saturate(x, 448.0))
+    want = np.clip(np.asarray(x), -448.0, 448.0)
+    want[7:9] = [np.inf, -np.inf]
+    np.testing.assert_array_equal(got[:9], want[:9])
+    assert np.isnan(got[9]) and np.signbit(got[1])  # NaN stays NaN, -0 stays -0
+    compiled = jax.jit(lambda x: formats.saturate(x, 448.0)).lower(x).as_text()
+    assert "compare" not in compiled and "select" not in compiled  # no pred array

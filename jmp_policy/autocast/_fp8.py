@@ -571,10 +571,8 @@ def quantize_delayed(x: Any, dtype: Any, history: jax.Array, reduction: str, *,
     amax = lax.reduce_max(lax.abs(x32), tuple(range(jnp.ndim(x))))
     recent = jnp.max(history) if reduction == "max" else history[0]
     factor = jnp.where(recent > 0, _factor(recent, dtype, power_of_two), np.float32(1))
-    scaled = lax.mul(x32, factor)
-    # Saturate finite values; inf (and NaN) pass, so the product is not finite either.
-    scaled = jnp.where(jnp.isinf(scaled), scaled, jnp.clip(scaled, -top, top))
-    q = _encoded(scaled, dtype, seed)
+    # Finite values beyond the history's range saturate; inf and NaN stay non-finite.
+    q = _encoded(formats.saturate(lax.mul(x32, factor), top), dtype, seed)
     scale = lax.broadcast_in_dim(lax.div(np.float32(1), factor), (1,) * jnp.ndim(x), ())
     return q, scale, amax
 
