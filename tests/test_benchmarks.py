@@ -195,9 +195,9 @@ def test_roofline_smoke_run(tmp_path):
     d, tokens = 64, 2 * 32  # gpu_fp8.SIZES["smoke"]
     for program in ("train", "grad"):
         rows = {r["name"]: r["figures"] for r in tables[program]["rows"]}
-        assert list(rows) == ["bfloat16", "fp8 tensorwise", "fp8 rowwise"]
+        assert list(rows) == ["bfloat16", "fp8 tensorwise", "fp8 rowwise", "fp8 delayed"]
         for name, f in rows.items():
             assert f["gemms"] == 6 and f["gemm_flops"] == 6 * 2 * tokens * d * 4 * d
             assert f["f8_share"] == (0.0 if name == "bfloat16" else 1.0)
             assert f["predicted_s"] > 0 and f["kernels"] > f["gemms"]
-    assert "roles-tensorwise" in tables and "largest-rowwise" in tables
+    assert "roles-tensorwise" in tables and "largest-rowwise" in tables and "roles-delayed" in tables

@@ -110,7 +110,18 @@ RECIPES = {
     # The block scalings run emulated on an H100 (no native block-scaled GEMM).
     "mxfp8": jmp_policy.Float8Recipe("mxfp8", native=False),
     "nvfp4": jmp_policy.Float8Recipe("nvfp4", native=False),
+    "delayed": jmp_policy.Float8Recipe("delayed"),
 }
+
+
+def grad_of(loss, recipe, *args):
+    """``jax.grad`` of ``loss`` under autocast with ``recipe`` with respect to ``args``, and
+    its arguments: a delayed recipe's function takes its histories first (abstract)."""
+    f = jmp_policy.autocast(loss, "mixed_bfloat16", fp8=RECIPES[recipe])
+    if not RECIPES[recipe].delayed:
+        return jax.grad(f, argnums=tuple(range(len(args)))), args
+    state = jax.eval_shape(lambda *a: jmp_policy.float8_state(f, *a), *args)
+    return jax.grad(f, argnums=tuple(range(len(args) + 1))), (state, *args)
 
 
 def layer_loss(x, w):
@@ -120,9 +131,8 @@ def layer_loss(x, w):
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_float8_products_keep_their_roundings(recipe):
     """``jax.grad`` of one float8 product (forward and both backward products)."""
-    fn = jax.grad(jmp_policy.autocast(layer_loss, "mixed_bfloat16", fp8=RECIPES[recipe]),
-                  argnums=(0, 1))
-    assert_roundings_kept(f"autocast {recipe}", fn, spec(256, 512), spec(512, 256))
+    fn, args = grad_of(layer_loss, recipe, spec(256, 512), spec(512, 256))
+    assert_roundings_kept(f"autocast {recipe}", fn, *args)
 
 
 @pytest.mark.parametrize("policy, recipe", [("mixed_float16", None),
@@ -193,7 +203,7 @@ def mlp_loss(p, x):
     return jnp.sum(jnp.tanh(jax.nn.gelu(x @ p["w1"]) @ p["w2"]))
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
 def test_every_eligible_product_is_a_float8_gemm(recipe):
     """Forward + backward of a two-layer MLP (gradients of the weights and the input):
     each of its 2 products is 3 float8 GEMMs (forward, and the gradients of both operands).
@@ -205,15 +215,14 @@ def test_every_eligible_product_is_a_float8_gemm(recipe):
     pattern (float8 operands, scales as its operands) a recipe can miss, falling back to
     a bfloat16 GEMM; by default, GEMMs on float8 operands. No GEMM of another kind.
     """
-    fn = jax.grad(jmp_policy.autocast(mlp_loss, "mixed_bfloat16", fp8=RECIPES[recipe]),
-                  argnums=(0, 1))
     p = {"w1": spec(512, 1024), "w2": spec(1024, 512)}
     x = spec(256, 512, dtype=jnp.bfloat16)
+    fn, args = grad_of(mlp_loss, recipe, p, x)
     products = sum(e.primitive.name == "dot_general"
                    for e in jaxpr_walk.eqns(jax.make_jaxpr(mlp_loss)(p, x)))
-    cublas, _ = xla_gpu.compile_for_h100(fn, p, x,
+    cublas, _ = xla_gpu.compile_for_h100(fn, *args,
                                          options={"xla_gpu_enable_triton_gemm": False})
-    triton, _ = xla_gpu.compile_for_h100(fn, p, x)
+    triton, _ = xla_gpu.compile_for_h100(fn, *args)
     calls = xla_gpu.custom_call_targets(cublas)
     gemms = {"products": products, "cublaslt_f8": calls["__cublas$lt$matmul$f8"],
              "cublas_other": sum(n for t, n in calls.items()
@@ -237,9 +246,8 @@ def _mlp_train_step(kind: str):
     bench = _gpu_fp8()
     d, b, t = (bench.SIZES["full"][k] for k in ("d_model", "batch", "seq"))
     p = jax.eval_shape(lambda: bench.mlp_params(d))
-    args = (p, jax.eval_shape(optax.adamw(1e-4).init, p),
-            spec(b, t, d, dtype=jnp.bfloat16), spec(b, t, d))
-    return bench.train_step(kind), args
+    x = spec(b, t, d, dtype=jnp.bfloat16)
+    return bench.train_step(kind), (p, bench.init_state(kind, p, x), x, spec(b, t, d))
 
 
 def _summed_product(kind: str):
@@ -248,7 +256,7 @@ def _summed_product(kind: str):
     bench = _gpu_fp8()
     s = bench.SIZES["full"]["sweep"][0]
     return bench.product_grad(kind), (spec(bench.SIZES["full"]["sweep_tokens"], s,
-                                           dtype=jnp.bfloat16), spec(s, s))
+                                           dtype=jnp.bfloat16), spec(s, s), None)
 
 
 MARGIN = 2.0  # rowwise may take up to twice tensorwise's compile time
@@ -301,16 +309,17 @@ def _unfused_pred_results(text: str) -> Dict[str, tuple]:
     return out
 
 
-def test_quantizing_a_weight_writes_no_rounding_masks():
+@pytest.mark.parametrize("kind", ["tensorwise", "delayed"])
+def test_quantizing_a_weight_writes_no_rounding_masks(kind):
     """gpu_fp8's float8 tensorwise train step: no kernel writes a ``pred`` array the size of
     a weight. The weights' quantization is fused with their transpose (the backward
     product's operand); XLA:GPU splits such a transpose fusion at every operation that
     yields a ``pred`` array, into kernels that write the mask and read the float32 weight
     again. `formats.round_nearest` rounds with no comparison for that reason."""
-    fn, args = _mlp_train_step("tensorwise")
+    fn, args = _mlp_train_step(kind)
     text, _ = xla_gpu.compile_for_h100(fn, *args)
     weight_sizes = {math.prod(w.shape) for w in jax.tree.leaves(args[0]) if len(w.shape) == 2}
     masks = {name: shapes for name, shapes in _unfused_pred_results(text).items()
              if any(math.prod(s) in weight_sizes for s in shapes)}
-    FIGURES["weight_sized_masks"] = len(masks)
+    FIGURES.setdefault("weight_sized_masks", {})[kind] = len(masks)
     assert not masks, masks
