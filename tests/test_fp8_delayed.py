@@ -500,3 +500,24 @@ def test_sharded_jit_and_shard_map_observe_the_global_maxima():
     for name, got in out.items():
         np.testing.assert_allclose(got[0], want[0], rtol=1e-6, err_msg=name)  # the maxima
         np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("policy", ["dots_saveable", "dots_with_no_batch_dims_saveable",
+                                    "nothing_saveable"])
+def test_checkpoint_policies_save_and_recompute_what_they_do_in_plain_jax(policy):
+    """As tests/test_remat.py checks for the other recipes: what jax.checkpoint saves
+    (the histories apart, which are arguments) and how many products its backward
+    pass recomputes."""
+    from test_remat import layer, recomputed, residuals
+
+    cp = getattr(jax.checkpoint_policies, policy)
+    w, x = rng(64, 64, scale=1 / 8), rng(64, 64, seed=1)
+    f = autocast(layer, "mixed_bfloat16", fp8=Float8Recipe("delayed", exclude=()))
+    state = float8_state(f, w, x)
+
+    def computed(lines):
+        return [line for line in lines if "argument" not in line]
+
+    assert computed(residuals(jax.checkpoint(f, policy=cp), state, w, x)) == \
+        computed(residuals(jax.checkpoint(layer, policy=cp), w, x))
+    assert recomputed(f, cp, state, w, x) == recomputed(layer, cp, w, x)
