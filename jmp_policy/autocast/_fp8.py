@@ -572,12 +572,12 @@ def quantize_delayed(x: Any, dtype: Any, history: jax.Array, reduction: str, *,
     recent = jnp.max(history) if reduction == "max" else history[0]
     factor = jnp.where(recent > 0, _factor(recent, dtype, power_of_two), np.float32(1))
     # Finite values beyond the history's range saturate; inf and NaN stay non-finite.
-    q = _encoded(formats.saturate(lax.mul(x32, factor), top), dtype, seed)
+    q = _encoded(formats.saturate(lax.mul(x32, factor), float(top)), dtype, seed)
     # The scale does not wait for x: XLA:GPU can cast x in the kernel that produces it
     # (next to its maximum), if the cast is kept from fusing into each consumer instead
     # (a transposed copy per backward product, re-reading x in float32); see
     # benchmarks/results/roofline_2026-11-27.md.
-    q = lax.optimization_barrier(q)
+    q = lax.optimization_barrier(q)  # type: ignore[no-untyped-call]
     scale = lax.broadcast_in_dim(lax.div(np.float32(1), factor), (1,) * jnp.ndim(x), ())
     return q, scale, amax
 

@@ -270,6 +270,10 @@ def _scan_sizes(p: Params) -> tuple[int, int]:
 def _scan(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
     if isinstance(ctx.float8_slots, Slots):
         return _scan_with_histories(ctx, eqn, invals)
+    return _plain_scan(ctx, eqn, invals)
+
+
+def _plain_scan(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
     p = Params(eqn)
     nc, nk = _scan_sizes(p)
     d = _dtypes(invals)
@@ -308,6 +312,8 @@ def _scan_with_histories(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
     n_ys = len(p["jaxpr"].out_avals) - nk
     in_d, out_d = consts_d + carry_d + xs_d, carry_d + [None] * n_ys
     autocast_jaxpr(dataclasses.replace(ctx, float8_slots=probe), p["jaxpr"], in_d, out_d)
+    if not probe.requests:
+        return _plain_scan(ctx, eqn, invals)
     histories = stacked(slots, probe.requests, p["length"])
     consts, xs = invals[:nc], invals[nc + nk:]
     carry = [ctx.cast(x, dt) for x, dt in zip(invals[nc:nc + nk], carry_d)]
@@ -379,9 +385,11 @@ def _cond_with_histories(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
     p = Params(eqn)
     index, ops = invals[0], invals[1:]
     d = _dtypes(ops)
-    length = ctx.float8_slots.length
-    out_d = _agreed([autocast_jaxpr(dataclasses.replace(ctx, float8_slots=Slots(length)), b, d)
+    probe = Slots(ctx.float8_slots.length)
+    out_d = _agreed([autocast_jaxpr(dataclasses.replace(ctx, float8_slots=probe), b, d)
                      for b in p["branches"]])
+    if not probe.requests:
+        return _cond(dataclasses.replace(ctx, float8_slots=None), eqn, invals)
     branches = [jaxpr_as_fun(autocast_jaxpr(ctx, b, d, out_d)) for b in p["branches"]]
     return lax.switch(index, branches, *ops)
 
