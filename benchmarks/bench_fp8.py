@@ -86,6 +86,8 @@ TRAINING_RUNS: dict[str, Any] = {
     "tensorwise": "tensorwise",
     "rowwise": "rowwise",
     "delayed": "delayed",
+    "delayed, history 16": R("delayed", amax_history_length=16),
+    "delayed, most recent": R("delayed", amax_reduction="most_recent"),
     "tensorwise, head fp8": R("tensorwise", exclude=()),
     "rowwise, head fp8": R("rowwise", exclude=()),
     "tensorwise, 2^k scales": R("tensorwise", power_of_two_scales=True),
