@@ -528,3 +528,17 @@ def test_the_head_of_a_rebuilt_model_stays_out_of_float8(idiom):
     assert len(float8) == 3 * 4  # 4 block products, forward and two backward products each
     if ref is not None:
         assert sorted(found) == sorted(_dot_dtypes(ref, ref_args, fp8="rowwise"))
+
+
+def test_importing_under_a_mesh_works():
+    """jmp_policy reads shard_map's primitive off a trace when imported: under
+    jax.set_mesh that trace must use the mesh in force."""
+    script = ("import jax\n"
+              "mesh = jax.make_mesh((2,), ('data',), axis_types=(jax.sharding.AxisType.Explicit,))\n"
+              "with jax.set_mesh(mesh):\n"
+              "    import jmp_policy\n"
+              "print(jmp_policy.autocast.__name__)\n")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0 and "autocast" in result.stdout, result.stderr[-2000:]

@@ -521,3 +521,4 @@ def test_checkpoint_policies_save_and_recompute_what_they_do_in_plain_jax(policy
     assert computed(residuals(jax.checkpoint(f, policy=cp), state, w, x)) == \
         computed(residuals(jax.checkpoint(layer, policy=cp), w, x))
     assert recomputed(f, cp, state, w, x) == recomputed(layer, cp, w, x)
+

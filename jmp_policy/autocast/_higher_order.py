@@ -37,8 +37,11 @@ from jmp_policy.autocast._lattice import convert, dtype_of, join, struct
 
 
 def _shard_map_p() -> Primitive:
-    """``shard_map``'s primitive, which ``jax.extend`` does not export: read off a trace."""
-    mesh = jax.sharding.AbstractMesh((1,), ("i",))
+    """``shard_map``'s primitive, which ``jax.extend`` does not export: read off a trace
+    (on the mesh in force, if ``jmp_policy`` is imported under ``jax.set_mesh``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        mesh = jax.sharding.AbstractMesh((1,), ("i",))
     spec = jax.sharding.PartitionSpec()  # type: ignore[no-untyped-call]
     shard_map = jax.shard_map(lambda x: x, mesh=mesh, in_specs=spec, out_specs=spec)
     (eqn,) = jax.make_jaxpr(shard_map)(np.float32(0)).jaxpr.eqns
