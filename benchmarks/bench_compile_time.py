@@ -10,9 +10,14 @@ weights). Each is compiled ``--reps`` times afresh (rounds interleave the
 recipes, so that a shared machine's load hits them alike); the figure is the
 fastest (the least disturbed). Beside it, from the optimized HLO: kernels
 (fusions) and distinct kernels (fused computations that differ other than in
-their names), which XLA compiles once each; and the distinct kernels of the
+their names), which XLA compiles once each; the distinct kernels of the
 same step with a quarter of the layers: the same count when nothing is
-specific to one leaf.
+specific to one leaf; and HLO instructions (fusion bodies included), in all
+and per leaf (what the step of all the layers has more than that of a
+quarter of them, per leaf more), to which XLA's compile time is about
+proportional (XLA:GPU's priority fusion, its longest pass, visits each).
+The summary gives the per-leaf count's ratio to Adam's too: unlike the
+times, a count no machine's load disturbs.
 
 Targets, each in a process of its own (XLA reads its flags once):
 
@@ -25,8 +30,10 @@ Targets, each in a process of its own (XLA reads its flags once):
 ``--before PATH`` also measures the library at ``PATH`` (a checkout of an
 older commit, e.g. ``git worktree add /tmp/before <commit>``), with this
 script, in the same run: the table then has a before and an after column per
-target, each with its ratio to that library's Adam. Commands (from the
-repository root; ~25 min on 2 busy CPU cores)::
+target, each with its ratio to that library's Adam. ``--rounds N`` runs every
+(target, version) worker N times in turn and pools their compiles, so that
+before and after meet alike a load that drifts over minutes. Commands (from the
+repository root; ~25 min per round on 2 busy CPU cores)::
 
     git worktree add /tmp/before-c 24aa08b
     python benchmarks/bench_compile_time.py --before /tmp/before-c \
@@ -138,12 +145,18 @@ def worker(target: str, layers: int, d: int, reps: int) -> Dict[str, Any]:
             if rep == 0:
                 text = compiled.as_text()
                 row.update(leaves=leaves, kernels=len(re.findall(r" fusion\(", text)),
-                           distinct=harness.distinct_kernels(text))
+                           distinct=harness.distinct_kernels(text),
+                           instructions=len(harness.parse_hlo(text)))
                 small_step, small_args, small_leaves = steps[recipe][max(1, layers // 4)]
                 with on_device():
                     small = jax.jit(small_step, donate_argnums=(0, 1)).lower(*small_args).compile()
-                row.update(small_leaves=small_leaves,
-                           small_distinct=harness.distinct_kernels(small.as_text()))
+                small_text = small.as_text()
+                # What one more leaf adds (the model's leaves, a few shapes, each layer
+                # alike): XLA's passes take a time about proportional to it.
+                per_leaf = ((row["instructions"] - len(harness.parse_hlo(small_text)))
+                            / max(1, leaves - small_leaves))
+                row.update(small_leaves=small_leaves, per_leaf=per_leaf,
+                           small_distinct=harness.distinct_kernels(small_text))
             print(f"  [{target}] {recipe}: {t2 - t1:.2f} s", file=sys.stderr, flush=True)
     out["parameters"] = n
     return out
@@ -170,6 +183,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--d", type=int, default=512, help="model width (16 layers of 512: "
                         "50.4M parameters, the issue's H100 figures)")
     parser.add_argument("--reps", type=int, default=3, help="fresh compiles per recipe")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times to run every (target, version) worker in turn, their "
+                        "compiles pooled: before and after then meet alike a shared "
+                        "machine's load, which drifts over minutes")
     parser.add_argument("--targets", default="cpu,cpu-fast,h100")
     parser.add_argument("--before", help="a checkout of the library to measure as 'before'")
     parser.add_argument("--gpu-python", default=sys.executable,
@@ -189,11 +206,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     versions.append(("after", REPO))
     targets = args.targets.split(",")
     results: Dict[str, Dict[str, Any]] = {}
-    for target in targets:
-        for version, library in versions:
-            python = args.gpu_python if target == "h100" else sys.executable
-            print(f"{target}, {version} ({library})", file=sys.stderr, flush=True)
-            results[f"{target} {version}"] = run_worker(python, library, target, args)
+    for round_ in range(args.rounds):
+        for target in targets:
+            for version, library in versions:
+                python = args.gpu_python if target == "h100" else sys.executable
+                print(f"{target}, {version} ({library}), round {round_ + 1}", file=sys.stderr,
+                      flush=True)
+                result = run_worker(python, library, target, args)
+                pooled = results.setdefault(f"{target} {version}", result)
+                if pooled is not result:
+                    for recipe, row in result["rows"].items():
+                        for key in ("compile_s", "compile_cpu_s", "lower_s"):
+                            pooled["rows"][recipe][key] += row[key]
     report = harness.Report("bench_compile_time", __doc__.split("\n")[0], vars(args), argv)
     first = next(iter(results.values()))
     columns = []
@@ -201,7 +225,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         for version, _ in versions:
             columns += [
                 harness.Column(f"{target} {version}", f"{target}, {version}", "s", ratio=False),
-                harness.Column(f"{target} {version} x", "x Adam", "x", ratio=False)]
+                harness.Column(f"{target} {version} x", "x Adam", "x", ratio=False),
+                harness.Column(f"{target} {version} leaf x", "per leaf, x Adam's HLO", "x",
+                               ratio=False)]
     summary = report.table(
         "summary", "Compile time of the optimizer step (fastest of the reps) and its ratio "
         "to Adam's, before and after", baseline=None, columns=columns,
@@ -213,6 +239,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             best = min(result["rows"][recipe]["compile_s"])
             figures[key] = best
             figures[key + " x"] = best / min(result["rows"]["adam"]["compile_s"])
+            figures[key + " leaf x"] = (result["rows"][recipe]["per_leaf"]
+                                        / result["rows"]["adam"]["per_leaf"])
         summary.add_row(recipe, figures)
     detail_columns = [
         harness.Column("compile_s", "compile (fastest)", "s"),
@@ -221,6 +249,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         harness.Column("kernels", "kernels", "count", ratio=False),
         harness.Column("distinct", "distinct kernels", "count", ratio=False),
         harness.Column("small_distinct", "distinct, a quarter of the layers", "count", ratio=False),
+        harness.Column("instructions", "HLO instructions", "count"),
+        harness.Column("per_leaf", "HLO instructions per leaf", "count"),
     ]
     for key, result in results.items():
         table = report.table(key.replace(" ", "_"), f"{key}: {result['kind']}", baseline="adam",

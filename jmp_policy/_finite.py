@@ -64,11 +64,14 @@ def unscaled_all_finite(tree: Any, inverse: Optional[Any]) -> jax.Array:
         if inverse is not None:
             xs = [(x * inverse).astype(x.dtype) for x in xs]
         zeros = functools.reduce(jnp.add, [x - x for x in xs])
-        # lax.reduce in the leaves' own dtype: jnp.sum would first widen
+        # lax.reduce_sum in the leaves' own dtype: jnp.sum would first widen
         # float16 to float32, an extra elementwise pass. (And ``x - x`` rather
-        # than ``x * 0``: no zero array for XLA to share and write out.)
-        zero = jnp.zeros((), zeros.dtype)
-        total += jnp.real(jax.lax.reduce(zeros, zero, jax.lax.add, tuple(range(zeros.ndim))))
+        # than ``x * 0``: no zero array for XLA to share and write out.) Not
+        # lax.reduce with lax.add: under an explicit mesh it traces the adder
+        # with sharding constraints in its body, and XLA:CPU's promotion of a
+        # bfloat16 or float16 all-reduce (FSDP-sharded gradients) aborts the
+        # process on such a body ("Invalid binary instruction opcode copy").
+        total += jnp.real(jax.lax.reduce_sum(zeros, tuple(range(zeros.ndim))))
     return jnp.isfinite(total)
 
 

@@ -51,8 +51,9 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["Format", "format_of", "grid", "round_nearest", "round_stochastic", "widen", "encode",
-           "scale_exponent", "random_bits", "stream_key", "salted_bits"]
+__all__ = ["Format", "format_of", "grid", "round_nearest", "round_stochastic",
+           "round_magnitude_stochastic", "round_bits_stochastic", "dropped_bits", "widen",
+           "encode", "saturate", "scale_exponent", "random_bits", "stream_key", "salted_bits"]
 
 _F32 = np.dtype(np.float32)
 _U32 = np.uint32
@@ -219,20 +220,23 @@ def _negative_mask(difference: jax.Array) -> jax.Array:
     return lax.shift_right_arithmetic(difference, _I32(31))
 
 
-def _nearest_magnitude(magnitude: jax.Array, fmt: Format) -> jax.Array:
-    """The pattern of ``magnitude`` (a pattern) rounded to nearest even on ``fmt``'s grid:
-    unbounded above except in an IEEE format (`Format.overflow` ``"inf"``), whose own
-    exponent range rounds to inf. NaN stays NaN."""
+def _nearest_normal(magnitude: jax.Array, fmt: Format) -> jax.Array:
+    """The pattern of ``magnitude`` (a pattern, at least `Format.tiny`'s unless ``fmt``'s
+    subnormals are float32's) rounded to nearest even on ``fmt``'s grid: unbounded above
+    except in an IEEE format (`Format.overflow` ``"inf"``), whose own exponent range
+    rounds to inf. NaN stays NaN."""
     ieee = fmt.overflow == "inf"
+    rounded = lax.reduce_precision(lax.bitcast_convert_type(magnitude, _F32),
+                                   exponent_bits=fmt.exponent_bits if ieee else 8,
+                                   mantissa_bits=fmt.mantissa)
+    return lax.bitcast_convert_type(rounded, _I32)
 
-    def normal(m: jax.Array) -> jax.Array:
-        rounded = lax.reduce_precision(lax.bitcast_convert_type(m, _F32),
-                                       exponent_bits=fmt.exponent_bits if ieee else 8,
-                                       mantissa_bits=fmt.mantissa)
-        return lax.bitcast_convert_type(rounded, _I32)
 
+def _nearest_magnitude(magnitude: jax.Array, fmt: Format) -> jax.Array:
+    """The pattern of ``magnitude`` (a pattern) rounded to nearest even on ``fmt``'s grid,
+    as `_nearest_normal`, subnormals included."""
     if fmt.f32_range:  # the format's subnormals are float32's: reduce_precision rounds them
-        return normal(magnitude)
+        return _nearest_normal(magnitude, fmt)
     # Below `Format.tiny`, reduce_precision flushes to zero: there the grid is the
     # multiples of the smallest subnormal, which `lax.round` finds once scaled to integers.
     # Each part sees the magnitude clamped to its side of tiny, where the other part
@@ -243,7 +247,7 @@ def _nearest_magnitude(magnitude: jax.Array, fmt: Format) -> jax.Array:
     low = lax.bitcast_convert_type(lax.min(magnitude, tiny), _F32)
     sub = lax.mul(lax.round(lax.mul(low, _power_of_two(k)), lax.RoundingMethod.TO_NEAREST_EVEN),
                   _power_of_two(-k))
-    return lax.add(lax.sub(normal(lax.max(magnitude, tiny)), tiny),
+    return lax.add(lax.sub(_nearest_normal(lax.max(magnitude, tiny), fmt), tiny),
                    lax.bitcast_convert_type(sub, _I32))
 
 
@@ -265,9 +269,56 @@ def _overflowed(rounded: jax.Array, sign: jax.Array, fmt: Format) -> jax.Array:
     return lax.bitcast_convert_type(lax.bitwise_or(rounded, sign), _F32)
 
 
-def _random_fraction_bits(bits: jax.Array, count: int) -> jax.Array:
-    """The top ``count`` of 32 random ``bits``, as the low bits of an int32."""
-    return lax.convert_element_type(lax.shift_right_logical(bits, _U32(32 - count)), _I32)
+def _random_fraction_bits(bits: jax.Array, count: Any) -> jax.Array:
+    """The top ``count`` (an int, or an int32 array of them, 1 to 31) of 32 random
+    ``bits``, as the low bits of an int32."""
+    shift = (_U32(32 - count) if isinstance(count, int)
+             else lax.convert_element_type(lax.sub(_I32(32), count), _U32))
+    return lax.convert_element_type(lax.shift_right_logical(bits, shift), _I32)
+
+
+def round_bits_stochastic(pattern: Any, count: Any, bits: jax.Array) -> jax.Array:
+    """The int32 bit pattern of a non-negative float32 (``pattern``) with its low ``count``
+    bits rounded away stochastically: the top ``count`` of the 32 random ``bits`` added,
+    then the low ``count`` bits cleared. ``count`` is an int or an int32 array (one per
+    element), 1 to 23.
+
+    The result is the multiple of ``2**count`` just below the pattern or the one above
+    (the carry runs into the exponent where it should), the one above with probability
+    (the dropped bits' value) / ``2**count`` for uniform ``bits``: the classic stochastic
+    rounding of a float to fewer mantissa bits, exact and unbiased wherever the grid's
+    spacing in that binade is ``2**count`` patterns (`dropped_bits`).
+
+    >>> one_and_a_quarter = np.float32(1.25).view(np.int32)   # 1, 1.5: mantissa bit 22
+    >>> up = round_bits_stochastic(one_and_a_quarter, 22, jnp.array([0, 2**31], jnp.uint32))
+    >>> jax.lax.bitcast_convert_type(up, jnp.float32).tolist()   # up where bits >= 2**31
+    [1.0, 1.5]
+    """
+    count_mask = (_I32(-(1 << count)) if isinstance(count, int)
+                  else lax.shift_left(_I32(-1), count))
+    return lax.bitwise_and(lax.add(pattern, _random_fraction_bits(bits, count)), count_mask)
+
+
+def dropped_bits(magnitude: Any, dtype: Any) -> jax.Array:
+    """How many low bits of the pattern of float32 ``magnitude`` (a non-negative pattern,
+    int32) lie below ``dtype``'s grid: ``23 - mantissa`` from `Format.tiny` up, one more
+    per binade below (the subnormals' even spacing), at most 23, which a magnitude below
+    the smallest subnormal's binade reaches before it is on the grid (it rounds to a power
+    of two below `Format.smallest`). With `round_bits_stochastic`, stochastic rounding
+    from the smallest subnormal to the largest value in a handful of integer operations.
+
+    >>> pattern = np.float32([1.0, 2.0 ** -7, 2.0 ** -9]).view(np.int32)
+    >>> dropped_bits(pattern, jnp.float8_e4m3fn).tolist()   # float8's 3 mantissa bits
+    [20, 21, 23]
+    """
+    fmt = format_of(dtype)
+    kept = _MANTISSA_BITS - fmt.mantissa
+    if fmt.f32_range:  # float32's subnormals have float32's spacing too
+        return jnp.full(jnp.shape(magnitude), kept, _I32)
+    field = lax.shift_right_logical(lax.convert_element_type(magnitude, _I32), _I32(23))
+    # The exponent field of tiny, less the field, is how many binades below tiny.
+    below = lax.sub(_I32(kept + fmt.min_exponent + 127), field)
+    return lax.clamp(_I32(kept), below, _I32(_MANTISSA_BITS))
 
 
 def round_stochastic(x: Any, dtype: Any, bits: jax.Array) -> jax.Array:
@@ -276,11 +327,13 @@ def round_stochastic(x: Any, dtype: Any, bits: jax.Array) -> jax.Array:
     ``E[round(x)] = x``. ``bits`` are uniform uint32 random bits of ``x``'s shape
     (`random_bits`).
 
-    In the normal range, the bits below ``dtype``'s mantissa are dropped after adding as
-    many random bits (the carry runs into the exponent where it should): exact. Below
-    `Format.tiny`, the value's fraction of the smallest subnormal is compared with 24
-    random bits. Values beyond the largest finite one, infs and NaNs round as
-    `round_nearest` does; a value below the largest never rounds above it.
+    In the normal range (and bfloat16's subnormals, which are float32's), the bits below
+    ``dtype``'s mantissa are dropped after adding as many random bits
+    (`round_bits_stochastic`): exact. Below `Format.tiny`, the value in fixed point, with
+    ``31 - mantissa`` bits below the smallest subnormal, gets as many random bits and is
+    truncated: unbiased to ``2**-(31 - mantissa)`` of the smallest subnormal. Values
+    beyond the largest finite one, infs and NaNs round as `round_nearest` does; a value
+    below the largest never rounds above it.
 
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> bits = random_bits(jnp.array([1, 2], jnp.uint32), (4000,))
@@ -289,35 +342,74 @@ def round_stochastic(x: Any, dtype: Any, bits: jax.Array) -> jax.Array:
     ([4.0, 6.0], True)
     """
     fmt = format_of(dtype)
-    sign, magnitude = _split_sign(lax.convert_element_type(x, _F32))
+    x = lax.convert_element_type(x, _F32)
+    if fmt.f32_range and fmt.overflow == "inf":
+        return _stochastic_in_f32_range(x, fmt, bits)
+    sign, magnitude = _split_sign(x)
     # As in `_nearest_magnitude`, each case sees the magnitude clamped to its side of a
-    # boundary that is on the grid, where the other cases give the boundary itself.
+    # boundary that is on the grid, where the other cases give the boundary itself: the
+    # largest value (a value below it never rounds above it) and tiny.
     top = _pattern(fmt.max)
-    within = lax.min(magnitude, top)
+    rounded = round_magnitude_stochastic(lax.min(magnitude, top), fmt, bits)
+    # At least the largest value: to nearest (tiny is below, so no subnormal part).
+    beyond = _nearest_normal(lax.max(magnitude, top), fmt)
+    return _overflowed(lax.add(lax.sub(beyond, top), rounded), sign, fmt)
+
+
+def round_magnitude_stochastic(magnitude: Any, dtype: Any, bits: jax.Array) -> jax.Array:
+    """The int32 pattern of a float32 magnitude (``magnitude``: a pattern, int32, at most
+    ``dtype``'s largest value) rounded stochastically to ``dtype``'s grid, as
+    `round_stochastic` rounds it: for callers that keep the sign apart and know their
+    values within the format's range (the codes of ``quantize_state``).
+
+    >>> pattern = np.float32([4.5, 0.25]).view(np.int32)     # float4: 4 or 6; 0 or 0.5
+    >>> f = lambda u: jax.lax.bitcast_convert_type(round_magnitude_stochastic(
+    ...     pattern, jnp.float4_e2m1fn, jnp.full(2, u * 2**32, jnp.uint32)), jnp.float32)
+    >>> f(0.25).tolist(), f(0.75).tolist()   # up where the random fraction is at least 1 - p
+    ([4.0, 0.0], [6.0, 0.5])
+    """
+    fmt = format_of(dtype)
     dropped = _MANTISSA_BITS - fmt.mantissa
-
-    def normal(m: jax.Array) -> jax.Array:
-        return lax.bitwise_and(lax.add(m, _random_fraction_bits(bits, dropped)),
-                               _I32(-(1 << dropped)))
-
     if fmt.f32_range:
-        rounded = normal(within)
-    else:
-        tiny = _pattern(fmt.tiny)
-        scaled = lax.mul(lax.bitcast_convert_type(lax.min(within, tiny), _F32),
-                         _power_of_two(fmt.mantissa - fmt.min_exponent))
-        low = lax.floor(scaled)
-        u = lax.mul(lax.convert_element_type(_random_fraction_bits(bits, 24), _F32),
-                    np.float32(2.0 ** -24))
-        # Up where u < the fraction: the sign bit of their difference (exact in sign).
-        up = lax.shift_right_logical(lax.bitcast_convert_type(lax.sub(u, lax.sub(scaled, low)),
-                                                              _I32), _I32(31))
-        sub = lax.mul(lax.add(low, lax.convert_element_type(up, _F32)), np.float32(fmt.smallest))
-        rounded = lax.add(lax.sub(normal(lax.max(within, tiny)), tiny),
-                          lax.bitcast_convert_type(sub, _I32))
-    beyond = _nearest_magnitude(lax.max(magnitude, top), fmt)
-    rounded = lax.add(lax.sub(beyond, top), lax.min(rounded, top))
-    return _overflowed(rounded, sign, fmt)
+        return round_bits_stochastic(magnitude, dropped, bits)
+    # As in `_nearest_magnitude`, each part sees the magnitude clamped to its side of
+    # tiny, where the other part gives tiny itself.
+    tiny = _pattern(fmt.tiny)
+    return lax.add(lax.sub(round_bits_stochastic(lax.max(magnitude, tiny), dropped, bits), tiny),
+                   _subnormal_stochastic(lax.min(magnitude, tiny), fmt, bits))
+
+
+def _subnormal_stochastic(low: jax.Array, fmt: Format, bits: jax.Array) -> jax.Array:
+    """The pattern of magnitude ``low`` (a pattern, at most `Format.tiny`'s) rounded
+    stochastically to a multiple of `Format.smallest`: in fixed point with ``31 - mantissa``
+    bits below the smallest (tiny is ``2**31``; the conversion truncates), as many random
+    bits added and dropped, and the count of smallest subnormals back in float32 (exact:
+    at most ``2**mantissa``)."""
+    fraction = 31 - fmt.mantissa
+    fixed = lax.convert_element_type(
+        lax.mul(lax.bitcast_convert_type(low, _F32), _power_of_two(31 - fmt.min_exponent)),
+        _U32)
+    count = lax.shift_right_logical(
+        lax.add(fixed, lax.shift_right_logical(bits, _U32(32 - fraction))), _U32(fraction))
+    value = lax.mul(lax.convert_element_type(count, _F32), np.float32(fmt.smallest))
+    return lax.bitcast_convert_type(value, _I32)
+
+
+def _stochastic_in_f32_range(x: jax.Array, fmt: Format, bits: jax.Array) -> jax.Array:
+    """`round_stochastic` to an IEEE format of float32's exponent range (bfloat16), whose
+    subnormals are float32's: random bits added below the kept mantissa and dropped, on
+    the signed pattern (no carry reaches the sign bit below the largest value); beyond the
+    largest value (infs and NaNs too), no random bits and nothing dropped, so that the
+    final ``reduce_precision``, the identity on the grid, rounds those to nearest."""
+    x_bits = lax.bitcast_convert_type(x, _I32)
+    magnitude = lax.bitwise_and(x_bits, _I32(0x7FFFFFFF))
+    beyond = _negative_mask(lax.sub(_pattern(fmt.max), magnitude))  # -1 beyond the largest
+    dropped = _MANTISSA_BITS - fmt.mantissa
+    random = lax.bitwise_and(_random_fraction_bits(bits, dropped), lax.bitwise_not(beyond))
+    truncated = lax.bitwise_and(lax.add(x_bits, random),
+                                lax.bitwise_or(_I32(-(1 << dropped)), beyond))
+    return lax.reduce_precision(lax.bitcast_convert_type(truncated, _F32),
+                                exponent_bits=fmt.exponent_bits, mantissa_bits=fmt.mantissa)
 
 
 def widen(q: Any) -> jax.Array:
@@ -413,25 +505,28 @@ def random_bits(seed: jax.Array, shape: tuple[int, ...],
     ``salt`` if given.
 
     The two words are hashed into one stream key first (a scalar, `stream_key`), so
-    that words drawn from one another still give unrelated streams; for a uniformly random key,
-    ``index * odd + key`` is uniform over 32 bits and `_mix` is a bijection, so each
-    element's bits are exactly uniform. Computed in the kernel that uses them
-    (``jax.random.bits`` is written to memory and read back), and from the global
-    index, so a sharded array gets the bits the whole one would.
+    that words drawn from one another still give unrelated streams. An element's bits
+    are one hash, `_mix` (a bijection of 32 bits), of its counter: ``index * odd + key``,
+    xor its salt. For a uniformly random key the counter is uniform over 32 bits, and
+    so are the bits, exactly, whatever the salt; elements with different counters get
+    unrelated bits. Computed in the kernel that uses them (``jax.random.bits`` is
+    written to memory and read back), and from the global index, so a sharded array
+    gets the bits the whole one would. One hash per element, not two: each is a dozen
+    operations in the kernel of every array rounded, which the step's compile time
+    pays for.
 
     ``salt`` (uint32 of ``shape``, e.g. the bits of the values to round) is mixed in
-    before the last hash: for any fixed salt the bits stay exactly uniform, and arrays
-    of the same shape rounded with one seed get unrelated bits where their salts
-    differ. It lets one seed serve every array of a step (below).
+    before the hash: for any fixed salt the bits stay exactly uniform, and arrays of
+    the same shape rounded with one seed get unrelated bits where their salts differ.
+    It lets one seed serve every array of a step (below).
 
     The seed of a stateful rounding: `low_precision_params`, `cast_state` and
-    `quantize_state` keep a PRNG key in their state; each step splits it and draws one
-    seed (``jax.random.bits(step_key, (2,), jnp.uint32)``) for every array it rounds,
-    salted with the bits of the values rounded, and makes its `stream_key` once for
-    all of them. One seed, not one per array: the
-    kernels that round arrays of the same shape are then the same computation, which
-    XLA compiles once (a seed per array, sliced from an array of seeds, is a constant
-    in each kernel and makes every kernel distinct).
+    `quantize_state` keep a PRNG key in their state; each step draws from it the next
+    key's words and one more, a uniform word that is the stream key of every array the
+    step rounds, salted with the bits of the values rounded. One seed,
+    not one per array: the kernels that round arrays of the same shape are then the
+    same computation, which XLA compiles once (a seed per array, sliced from an array
+    of seeds, is a constant in each kernel and makes every kernel distinct).
 
     >>> bits = random_bits(jnp.array([1, 2], jnp.uint32), (3,))
     >>> salted = random_bits(jnp.array([1, 2], jnp.uint32), (3,), jnp.zeros(3, jnp.uint32))
@@ -441,7 +536,7 @@ def random_bits(seed: jax.Array, shape: tuple[int, ...],
     key = stream_key(seed)
     index = lax.iota(_U32, max(1, math.prod(shape)))
     index = lax.reshape(index, shape) if len(shape) != 1 else index
-    counter = _mix(lax.add(lax.mul(index, _U32(0x9E3779B1)), key))
+    counter = lax.add(lax.mul(index, _U32(0x9E3779B1)), key)
     if salt is not None:
         counter = lax.bitwise_xor(counter, lax.convert_element_type(salt, _U32))
     return _mix(counter)

@@ -464,14 +464,18 @@ def _samples(params: Any, handled: Any) -> jax.Array:
     the sharding (flattening a sharded array is not expressible there).
     """
     def strided(x: Any) -> jax.Array:
-        flat = jnp.ravel(x)
-        stride = max(1, flat.size // _SAMPLES)
-        count = min(_SAMPLES, flat.size)
+        if np.ndim(x) == 0:
+            return jnp.reshape(x, (1,)).astype(jnp.float32)
+        size = int(np.size(x))
+        stride = max(1, size // _SAMPLES)
         # From the middle of each stride: a first row (a padding token's embedding)
         # may never move.
-        start = stride // 2
-        return jax.lax.slice(flat, (start,), (start + stride * (count - 1) + 1,),
-                             (stride,)).astype(jnp.float32)
+        flat = stride // 2 + stride * np.arange(min(_SAMPLES, size))
+        # Indexed along each axis, not in the flattened array: a sharded array's
+        # flattening gathers all of it on every device (XLA partitions a reshape
+        # that way), while indices reach the few elements where they lie.
+        sample: jax.Array = x[np.unravel_index(flat, np.shape(x))].astype(jnp.float32)
+        return sample
 
     def concatenated(leaves: list[Any]) -> jax.Array:
         # XLA:CPU reads the slices of at most 8 arrays in one kernel, and merges
@@ -621,7 +625,9 @@ def _check_still_narrow(method: str, state: Any, handled: Any) -> None:
     field = {"kahan": "compensation", "split": "low_bits", "stochastic": "dtypes"}[method]
     is_masked: Callable[[Any], bool] = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
     marks = jax.tree_util.tree_leaves(getattr(state, field), is_leaf=is_masked)
-    flags = jax.tree_util.tree_leaves(handled)
+    # MaskedNodes counted in both: optax.masked and optax.multi_transform hand over the
+    # parameters of other optimizers as MaskedNodes, in the same places at init and update.
+    flags = jax.tree_util.tree_leaves(handled, is_leaf=is_masked)
     if len(marks) != len(flags):
         raise ValueError(f"low_precision_params({method!r}).update: the parameters have "
                          f"{len(flags)} leaves, but init saw {len(marks)}.")
@@ -708,19 +714,24 @@ def _key_data(seed: Seed, stream: int, name: str) -> Tuple[jax.Array, Any]:
 
 
 def _step_seed(data: jax.Array, impl: Any) -> Tuple[jax.Array, jax.Array]:
-    """(the next step's key data, this step's seed): the key split, and the stream key
-    (``formats.stream_key``) of two uint32 words drawn from the new key, the seed of every
-    array the step rounds (``formats.random_bits``).
+    """(the next step's key data, this step's seed): uint32 words drawn from the key,
+    those of a key and one more, a uniform uint32 scalar that is the stream key
+    (``formats.stream_key``) of every array the step rounds (``formats.random_bits``).
+
+    One draw from the PRNG, as ``jax.random.split`` is one (its keys are the PRNG's
+    output too), rather than a split and a draw: each is a kernel of a few hundred
+    operations in the step, whose compile time counts them.
     """
-    next_key, step_key = jax.random.split(jax.random.wrap_key_data(data, impl=impl))
-    words = jax.random.bits(step_key, (2,), jnp.uint32)
-    # One scalar behind a barrier, hashed once for the step, so that a kernel that
-    # rounds reads a scalar (XLA:CPU removes barriers before fusing, and may hash the
-    # words again in each kernel: the values are the same). XLA:GPU merges kernels that read one non-scalar
-    # array (the two words) into one kernel per shape, with an output per array,
+    words = jax.random.bits(jax.random.wrap_key_data(data, impl=impl), (data.size + 1,),
+                            jnp.uint32)
+    # Behind a barrier, computed once: XLA:GPU would otherwise compute the PRNG in the
+    # kernel of each of its two uses. The seed is a scalar behind a barrier too, so that
+    # a kernel that rounds reads a scalar: XLA:GPU merges kernels that read one
+    # non-scalar array (the words) into one kernel per shape, with an output per array,
     # distinct for every count of arrays.
-    key: jax.Array = jax.lax.optimization_barrier(formats.stream_key(words))  # type: ignore[no-untyped-call]
-    return jax.random.key_data(next_key), key
+    words = jax.lax.optimization_barrier(words)  # type: ignore[no-untyped-call]
+    key: jax.Array = jax.lax.optimization_barrier(words[-1])  # type: ignore[no-untyped-call]
+    return words[:-1].reshape(data.shape), key
 
 
 def _check_choice(name: str, arg: str, value: Any, choices: Tuple[str, ...]) -> str:

@@ -16,6 +16,13 @@ and quantizes the new state again.
   mantissa bit. Blocks run along the last axis, so a state sharded like its
   parameter keeps its sharding (a block never straddles a shard when the
   shard's last dimension is a multiple of the block).
+* **Shards that split blocks.** Where a parameter's last axis is sharded into
+  pieces smaller than a block (or not a whole number of blocks), the blocks
+  stay what they are on one device, so the state holds the same numbers on
+  every mesh and a checkpoint restores onto any other. The codes are still
+  sharded like the parameter; the exponents of such an array are replicated
+  along its last axis, and each step combines each block's maximum from its
+  shards (a byte per block and shard moves between devices).
 * **Codes suited to each moment.** 8 bits: float8_e4m3fn, signed, about 17
   binades of range. 4 bits: signed powers of two (0, ±2**-6 ... ±1 of the
   block's scale) for signed states such as momentum; for states that are
@@ -57,14 +64,16 @@ import dataclasses
 import math
 import re
 import warnings
-from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp_policy import formats
+from jmp_policy.autocast import _sharding
 from jmp_policy.low_precision import (
     ROUNDINGS, Seed, _check_choice, _key_data, _refuse_inner_loss_scaling, _step_seed)
 
@@ -239,20 +248,61 @@ def _exponents(x: Any, block_size: int, code: str) -> jax.Array:
     every scaled value below ``2 ** _LOG2_RANGE[code]`` (``formats.scale_exponent``)."""
     x = jnp.asarray(x, jnp.float32)
     magnitude = jnp.abs(x).reshape(*x.shape[:-1], -1, block_size)
-    # Halved by elementwise maxima first: they fuse with the computation of
-    # ``x``, while a reduction's input may be stored (XLA:CPU stores it), so
-    # it is an eighth of ``x``, in bytes.
-    while magnitude.shape[-1] % 2 == 0 and magnitude.shape[-1] > block_size // 8:
-        half = magnitude.shape[-1] // 2
-        magnitude = jnp.maximum(magnitude[..., :half], magnitude[..., half:])
-    # The largest float32 exponent field: the rule needs no more of the largest
-    # magnitude than its binade.
-    fields = (jax.lax.bitcast_convert_type(magnitude, jnp.uint32) >> 23).astype(jnp.uint8)
-    largest = jnp.max(fields, axis=-1)
+    # XLA:GPU reduces in the kernel that computes the magnitudes and stores nothing:
+    # there the halving below would only add operations to every quantizing kernel.
+    largest = jax.lax.platform_dependent(magnitude, cpu=_halved_largest_field,
+                                         default=_largest_field)
     binade = _power_of_two(largest)  # 0 for a block of zeros and subnormals, inf for inf/NaN
     exponent = formats.scale_exponent(binade, 2.0 ** _LOG2_RANGE[code], strict=True)
     # Clipped to the exponents of normal float32 scales (and their inverses).
     return jnp.clip(exponent, 1, 254).astype(jnp.uint8)
+
+
+def _largest_field(magnitude: jax.Array) -> jax.Array:
+    """The largest float32 exponent field along the last axis (a block): the rule needs
+    no more of the largest magnitude than its binade."""
+    fields = (jax.lax.bitcast_convert_type(magnitude, jnp.uint32) >> 23).astype(jnp.uint8)
+    return jnp.max(fields, axis=-1)
+
+
+def _halved_largest_field(magnitude: jax.Array) -> jax.Array:
+    """`_largest_field` for XLA:CPU, the block halved by elementwise maxima first: they
+    fuse with the computation of the magnitudes, while a reduction's input may be
+    stored (XLA:CPU stores it), so it is an eighth of theirs, in bytes. Maxima of
+    neighbours, not of a block's two halves: where XLA partitions a block between
+    devices (a last axis sharded into pieces smaller than a block), neighbours lie on
+    one device and halves do not (XLA would move them between devices)."""
+    span = magnitude.shape[-1]
+    while magnitude.shape[-1] % 2 == 0 and magnitude.shape[-1] > span // 8:
+        pairs = magnitude.reshape(*magnitude.shape[:-1], -1, 2)
+        magnitude = jnp.maximum(pairs[..., 0], pairs[..., 1])
+    return _largest_field(magnitude)
+
+
+def _split_blocks(x: Any, block_size: int) -> Optional[NamedSharding]:
+    """Where an explicit sharding of ``x``'s last axis puts the values of a block on
+    several devices, the sharding of its block exponents: ``x``'s, with the last axis
+    replicated; else ``None`` (also under automatic axes, where no type says it)."""
+    sharding = _sharding.explicit(x)
+    parts = _sharding.shards(x, -1)
+    if sharding is None or parts == 1 or (np.shape(x)[-1] // block_size) % parts == 0:
+        return None
+    spec = list(sharding.spec) + [None] * (np.ndim(x) - len(sharding.spec))
+    return sharding.update(spec=PartitionSpec(*spec[:-1], None))  # type: ignore[no-untyped-call]
+
+
+def _partitioned(fun: Callable[..., Any], x: jax.Array, block_size: int,
+                 out: Callable[[NamedSharding], Any], *args: Any) -> Any:
+    """``fun(x, *args)``, in XLA's hands where an explicit sharding splits blocks.
+
+    Explicit types cannot cut such an axis into blocks (a reshape across shards);
+    XLA's partitioner can, as under automatic axes: each device keeps its values, and
+    each block's maximum is combined from its shards (a byte per block and shard).
+    ``out(exponent_sharding)``: the shardings of ``fun``'s results."""
+    split = _split_blocks(x, block_size)
+    if split is None:
+        return fun(x, *args)
+    return jax.sharding.auto_axes(fun, out_sharding=out(split))(x, *args)
 
 
 def _power_of_two(biased: jax.Array) -> jax.Array:
@@ -267,16 +317,24 @@ def quantize(x: Any, block_size: int, code: str = FLOAT8,
     rounded stochastically with the seed ``seed`` (two uint32 words or their stream key,
     see ``formats.random_bits``), or to nearest if ``None``."""
     x = jnp.asarray(x, jnp.float32)
-    exponents = _exponents(x, block_size, code)
-    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
-    y = blocks * _power_of_two(254 - exponents.astype(jnp.int32))[..., None]
-    # Salted with the values' bits: one seed serves every array of a step.
-    bits = None if seed is None else formats.salted_bits(seed, y)
-    if code == FLOAT8:
-        values = _float8(y, bits)
-    else:
-        values = _nonnegative4(y, bits) if code == NONNEGATIVE4 else _signed4(y, bits)
-    return QuantizedArray(values.reshape(*x.shape[:-1], -1), exponents, code)
+
+    def quantized(x: jax.Array, *seed: jax.Array) -> Tuple[jax.Array, jax.Array]:
+        exponents = _exponents(x, block_size, code)
+        blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+        y = blocks * _power_of_two(254 - exponents.astype(jnp.int32))[..., None]
+        # Salted with the values' bits: one seed serves every array of a step.
+        bits = formats.salted_bits(seed[0], y) if seed else None
+        if code == FLOAT8:
+            values = _float8(y, bits)
+        else:
+            values = _nonnegative4(y, bits) if code == NONNEGATIVE4 else _signed4(y, bits)
+        return values.reshape(x.shape), exponents
+
+    # Codes sharded as ``x``; exponents too, but where blocks are split (see below).
+    values, exponents = _partitioned(quantized, x, block_size,
+                                     lambda split: (_sharding.explicit(x), split),
+                                     *(() if seed is None else (seed,)))
+    return QuantizedArray(values, exponents, code)
 
 
 def dequantize(x: Any) -> Any:
@@ -295,31 +353,75 @@ def dequantize(x: Any) -> Any:
     else:
         values = (_nonnegative4_values(codes) if x.code == NONNEGATIVE4
                   else _signed4_values(codes))
+    return _partitioned(_times_scales, values, values.shape[-1] // exponents.shape[-1],
+                        lambda split: _sharding.explicit(values), exponents)
+
+
+def _times_scales(values: jax.Array, exponents: jax.Array) -> jax.Array:
+    """``values`` times the power-of-two scale of each one's block."""
     blocks = values.reshape(*exponents.shape, -1)
     return (blocks * _power_of_two(exponents)[..., None]).reshape(values.shape)
 
 
 # --------------------------------------------------------------------------- #
-# The codes. Each rounds scaled values ``y`` (within the code's range) to its grid,
-# the grid of a float format (``formats``): stochastically with random ``bits``
-# (uint32, see ``formats.random_bits``), else to nearest (ties to even).
+# The codes. Each rounds scaled values ``y`` to its grid, the grid of a float format
+# (``formats``): stochastically with random ``bits`` (uint32, see
+# ``formats.random_bits``), else to nearest (ties to even). The scale puts every finite
+# value within the code's range, so the codes round the magnitude's bit pattern
+# (int32), the sign kept apart, with none of ``formats.round_stochastic``'s handling of
+# values beyond the largest: a few integer operations per value, which keeps the
+# kernels that quantize each array small (their size is the step's compile time).
 # --------------------------------------------------------------------------- #
 
-def _rounded(y: jax.Array, grid: Any, bits: Optional[jax.Array]) -> jax.Array:
-    """``y`` rounded to ``grid`` (a dtype or a ``formats.Format``), as float32."""
-    return (formats.round_nearest(y, grid) if bits is None
-            else formats.round_stochastic(y, grid, bits))
+_SIGN, _INF = np.int32(-(1 << 31)), np.int32(0x7F800000)
+
+
+def _magnitude(y: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    """The bit pattern of float32 ``y`` and of its magnitude (int32)."""
+    pattern = jax.lax.bitcast_convert_type(y, jnp.int32)
+    return pattern, pattern & np.int32(0x7FFFFFFF)
+
+
+def _pattern(value: float) -> np.int32:
+    return np.float32(value).view(np.int32)
+
+
+def _rounded(magnitude: jax.Array, grid: Any, bits: Optional[jax.Array]) -> jax.Array:
+    """``magnitude`` (a pattern, within ``grid``'s range) rounded to ``grid`` (a dtype or a
+    ``formats.Format``), as a pattern."""
+    if bits is None:
+        nearest = formats.round_nearest(jax.lax.bitcast_convert_type(magnitude, jnp.float32),
+                                         grid)
+        return jax.lax.bitcast_convert_type(nearest, jnp.int32)
+    return formats.round_magnitude_stochastic(magnitude, grid, bits)
+
+
+def _nonzero(magnitude: jax.Array) -> jax.Array:
+    """-1 (all bits) where the pattern ``magnitude`` is nonzero, else 0: the sign bit of
+    its negation, spread by an arithmetic shift."""
+    return jax.lax.shift_right_arithmetic(-magnitude, np.int32(31))
 
 
 # float8_e4m3fn's subnormals are 2**-9 apart.
-_F8_SMALLEST = formats.format_of(jnp.float8_e4m3fn).smallest
+_F8 = jnp.float8_e4m3fn
+_F8_SMALLEST = _pattern(formats.format_of(_F8).smallest)
 
 
 def _float8(y: jax.Array, bits: Optional[jax.Array]) -> jax.Array:
-    rounded = _rounded(y, jnp.float8_e4m3fn, bits)
-    # Nonzero stays nonzero: the smallest float8 magnitude, with the value's sign.
-    rounded = jnp.where((rounded == 0) & (y != 0), jnp.sign(y) * _F8_SMALLEST, rounded)
-    return rounded.astype(jnp.float8_e4m3fn)
+    pattern, magnitude = _magnitude(y)
+    # NaN as inf: the conversion makes both NaN (float8_e4m3fn has no inf).
+    magnitude = jnp.minimum(magnitude, _INF)
+    if bits is None:
+        rounded = _rounded(magnitude, _F8, None)
+    else:
+        # Stochastically from the smallest subnormal up (formats.dropped_bits); a
+        # magnitude below it rounds to a power of two below it, raised just below.
+        rounded = formats.round_bits_stochastic(
+            magnitude, formats.dropped_bits(magnitude, _F8), bits)
+    # Nonzero stays nonzero: a nonzero magnitude rounded below the smallest float8 one
+    # is that one (with the value's sign).
+    rounded = jnp.maximum(rounded, _F8_SMALLEST & _nonzero(magnitude))
+    return jax.lax.bitcast_convert_type(rounded | (pattern & _SIGN), jnp.float32).astype(_F8)
 
 
 # The 4-bit codes are int4, which XLA stores two per byte in the state's shape,
@@ -336,11 +438,14 @@ _S4_GRID = formats.grid(0, -6, 1.0)
 
 
 def _signed4(y: jax.Array, bits: Optional[jax.Array]) -> jax.Array:
-    rounded = jnp.abs(_rounded(y, _S4_GRID, bits))
-    k = jnp.where(rounded == 0, 0,
-                  (jax.lax.bitcast_convert_type(rounded, jnp.int32) >> 23) - 127 + 7)
-    # The int4 of bits (sign, k): k, or k - 8 with the sign.
-    return (k - jnp.where(y < 0, 8, 0)).astype(jnp.int4)
+    pattern, magnitude = _magnitude(y)
+    # Below 1, or inf or NaN: 1, the largest code.
+    rounded = _rounded(jnp.minimum(magnitude, _pattern(1.0)), _S4_GRID, bits)
+    # k from the exponent field: 2**-6 (field 121) is 1 ... 1 (field 127) is 7; zero's is 0.
+    k = jnp.maximum((rounded >> 23) - 120, 0)
+    # The int4 of bits (sign, k): k, or k - 8 with the sign bit (the arithmetic shift
+    # spreads it).
+    return (k | ((pattern >> 31) & -8)).astype(jnp.int4)
 
 
 def _signed4_values(codes: jax.Array) -> jax.Array:
@@ -362,12 +467,18 @@ _N4_GRID = formats.grid(1, 0, _N4_LARGEST)  # in [b, 2b): b and 1.5b
 
 
 def _nonnegative4(y: jax.Array, bits: Optional[jax.Array]) -> jax.Array:
-    magnitude = jnp.clip(y, _N4_SMALLEST, _N4_LARGEST)  # below: rounds up to it
-    rounded = _rounded(magnitude, _N4_GRID, bits)
+    # Clamped on the bit pattern, which orders as the values do from -0 up (a negative
+    # value's is a negative int32): below the smallest (0 too) rounds up to it; inf and
+    # NaN to the largest.
+    magnitude = jnp.clip(jax.lax.bitcast_convert_type(y, jnp.int32),
+                         _pattern(_N4_SMALLEST), _pattern(_N4_LARGEST))
+    if bits is None:
+        rounded = _rounded(magnitude, _N4_GRID, None)
+    else:  # from 1.5 up, the grid's normal range: its one mantissa bit kept
+        rounded = formats.round_bits_stochastic(magnitude, 23 - _N4_GRID.mantissa, bits)
     # float32 bits 30-22 (the exponent and the top mantissa bit) count the same
     # steps: 2**0 is 254 there, 1.5 (c = -8) 255.
-    bits = jax.lax.bitcast_convert_type(rounded, jnp.int32)
-    return ((bits >> 22) - 263).astype(jnp.int4)
+    return ((rounded >> 22) - 263).astype(jnp.int4)
 
 
 def _nonnegative4_values(codes: jax.Array) -> jax.Array:

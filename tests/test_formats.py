@@ -82,7 +82,10 @@ def test_round_stochastic_is_unbiased_and_on_the_grid(dtype):
     low, high = draws.min(0), draws.max(0)
     assert (high - low <= np.abs(np.asarray(formats.round_nearest(v, dtype)) - v) * 2
             + np.spacing(np.abs(v).astype(np.float32)) * 2 ** 30).all()  # two neighbours
-    gap = np.where(high > low, high - low, 1.0)
+    # The grid's spacing at v (not the draws' range: a value within 0.1% of a gap of its
+    # upper neighbour may well never round down in 2000 draws).
+    binade = np.maximum(np.floor(np.log2(np.abs(v).astype(np.float64))), fmt.min_exponent)
+    gap = 2.0 ** (binade - fmt.mantissa)
     z = (draws.mean(0) - v) / gap * np.sqrt(n) / 0.5  # at most 0.5 gaps of deviation per draw
     assert np.abs(z).max() < 5 and abs(z.mean()) < 5 / np.sqrt(len(v))
     # Values beyond the largest, infs and NaNs round as to nearest.

@@ -106,6 +106,20 @@ def test_stochastic_rounding_is_unbiased(compile):
     assert np.abs(nearest - x).mean() > 2 * np.abs(mean - x).mean()
 
 
+def test_stochastic_rounding_is_unbiased_down_to_float8s_smallest_subnormal():
+    """Scaled values in float8's subnormal range (2**-9 apart below 2**-6) round to their
+    neighbours unbiased, as normal ones do; below 2**-9 every nonzero value is stored as
+    2**-9 (nonzero stays nonzero), with its sign."""
+    rng = np.random.default_rng(1)
+    x = (rng.choice([-1, 1], 256) * 2.0 ** rng.uniform(-10, -5, 256)).astype(np.float32)
+    x[0] = 255.0   # the block's scale is then 1: x is what float8 rounds
+    draws = _draws(x[None], 2000, jax.jit)[:, 0]
+    within = np.abs(x) >= 2.0 ** -9
+    err = (draws.mean(0) - x) / _spacing(x)
+    assert np.abs(err[within]).max() < 4 * 0.5 / np.sqrt(len(draws))
+    assert (draws[:, ~within] == np.sign(x[~within]) * 2.0 ** -9).all()
+
+
 def _signed4_grid():
     """The signed 4-bit code's magnitudes: zero and the powers of two 2**-6 ... 1."""
     return np.concatenate([[0.0], 2.0 ** np.arange(-6, 1)])

@@ -292,6 +292,40 @@ def test_rowwise_compiles_about_as_fast_as_tensorwise(program):
     assert seconds["rowwise"] <= MARGIN * seconds["tensorwise"] + SLACK_S, seconds
 
 
+# Per optimizer: (make it, the parameters' dtype, at most this many times Adam's count).
+# The budgets are 2026-11-27's counts with a margin; before, each was above (in brackets).
+STEP_SIZES = {
+    "cast_state": (lambda: jmp_policy.cast_state(optax.adam(1e-3)), jnp.float32, 2.8),  # 2.96x
+    "quantize_state 8-bit": (lambda: jmp_policy.quantize_state(optax.adam(1e-3), min_size=0),
+                             jnp.float32, 7.0),  # 8.3x
+    "quantize_state 4-bit": (lambda: jmp_policy.quantize_state(optax.adam(1e-3), bits=4,
+                                                               min_size=0),
+                             jnp.float32, 8.2),  # 9.5x
+    "low_precision_params stochastic": (
+        lambda: jmp_policy.low_precision_params(optax.adam(1e-3), "stochastic"),
+        jnp.bfloat16, 2.9),  # 2.96x
+}
+
+
+@pytest.mark.parametrize("name", list(STEP_SIZES))
+def test_a_parameter_adds_to_the_h100_step_a_few_times_what_adam_adds(name):
+    """The HLO instructions one more parameter adds to an optimizer step's H100 program,
+    against plain Adam's (as tests/test_optimizer_size.py for XLA:CPU). XLA:GPU's
+    priority fusion, the longest pass here, takes a time about proportional to them
+    (benchmarks/results/compile_time_2026-11-27.md)."""
+    from compiled_kernels import instructions_per_leaf
+
+    def compile(step: Callable[..., Any], *args: Any) -> str:
+        with xla_gpu.harness.callbacks_on_device():  # low_precision_params' misuse check
+            return xla_gpu.compile_for_h100(step, *args)[0]
+
+    make, dtype, budget = STEP_SIZES[name]
+    adam = instructions_per_leaf(lambda: optax.adam(1e-3), jnp.float32, compile)
+    count = instructions_per_leaf(make, dtype, compile)
+    FIGURES.setdefault("instructions_per_leaf", {})[name] = [count, adam]
+    assert count <= budget * adam, (count, adam, count / adam)
+
+
 # --- d. memory traffic -------------------------------------------------------------------
 
 def _unfused_pred_results(text: str) -> Dict[str, tuple]:
