@@ -9,11 +9,10 @@ absolute maxima. All cases run in one subprocess on 8 simulated CPU devices.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from _sharded_hlo import shared_run
 
 RECIPES = ("none", "tensorwise", "rowwise", "mxfp8", "nvfp4")
 MODES = ("explicit", "auto")
@@ -25,7 +24,7 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jmp_policy
 
-RECIPES, MODES, SHARDINGS = json.loads(sys.argv[2])
+RECIPES, MODES, SHARDINGS = json.loads(sys.argv[1])
 f = lambda w, x: jnp.sum(jnp.tanh(x @ w))
 rng = np.random.RandomState(0)
 w0 = jnp.asarray(rng.randn(256, 128).astype(np.float32) / 16)
@@ -87,22 +86,16 @@ for recipe in RECIPES:
                 }
             except Exception as e:
                 facts[key] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-json.dump(facts, open(sys.argv[1], "w"), indent=1)
+json.dump(facts, open(sys.argv[2], "w"), indent=1)
 '''
 
 
 @pytest.fixture(scope="module")
 def facts(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sharded_products")
-    script, out = tmp / "sharded.py", tmp / "facts.json"
+    script = tmp_path_factory.mktemp("sharded_products") / "sharded.py"
     script.write_text(_SCRIPT)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
-               + " --xla_force_host_platform_device_count=8")
-    proc = subprocess.run(
-        [sys.executable, str(script), str(out), json.dumps([RECIPES, MODES, SHARDINGS])],
-        env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return shared_run(tmp_path_factory, "sharded_products",
+                      [script, json.dumps([RECIPES, MODES, SHARDINGS])])
 
 
 def test_every_recipe_runs_under_every_mesh_and_sharding(facts):
