@@ -4,8 +4,9 @@ A quantized product is a ``jax.custom_vjp`` (``_product.quantized_product``): fi
 derivatives in reverse mode only. Forward mode (``jax.jvp``, ``jax.jacfwd``,
 ``jax.linearize``'s linear function) and second derivatives (``jax.hessian``,
 ``jax.grad`` of ``jax.grad``, ``jax.jacrev(jax.jacrev(f))``) raise a ``TypeError``
-naming the product and what to do instead, except where JAX raises its own before
-autocast can (forward mode under an outer ``jit``, ``linearize``'s linear function).
+naming the product and what to do instead (under an outer ``jit`` too), except where
+the tangent arrives after autocast has run and JAX raises its own (``linearize``'s
+linear function, ``jax.jvp`` of a ``jit``-ed autocast function).
 Before, second derivatives ran and gave NaN or wrong values, forward mode JAX's
 generic message everywhere.
 """
@@ -37,6 +38,7 @@ FORWARD_MODE = {
     "jvp": lambda f: jax.jvp(f, (W,), (W,)),
     "jacfwd": lambda f: jax.jacfwd(f)(W),
     "jit(jacfwd)": lambda f: jax.jit(jax.jacfwd(f))(W),
+    "jit(jvp)": lambda f: jax.jit(lambda w: jax.jvp(f, (w,), (w,)))(W),  # before: JAX's message
 }
 
 SECOND_ORDER = {
@@ -70,12 +72,12 @@ def test_second_derivatives_raise_instead_of_differentiating_the_quantization(
         SECOND_ORDER[transform](loss(recipe))
 
 
-@pytest.mark.parametrize("transform", ["jit(jvp)", "linearize"])
-def test_forward_mode_under_jit_is_jaxs_own_type_error(transform):
+@pytest.mark.parametrize("transform", ["jvp(jit)", "linearize"])
+def test_a_tangent_that_arrives_after_autocast_gets_jaxs_own_type_error(transform):
     # JAX raises these when compiling (or evaluating linearize's linear function),
     # outside the product's call: its message, still a TypeError.
     f = loss("rowwise")
-    run = {"jit(jvp)": lambda: jax.jit(lambda w: jax.jvp(f, (w,), (w,)))(W),
+    run = {"jvp(jit)": lambda: jax.jvp(jax.jit(f), (W,), (W,)),
            "linearize": lambda: jax.linearize(f, W)[1](W)}[transform]
     with pytest.raises(TypeError, match=JAX_OWN):
         run()
@@ -104,3 +106,18 @@ def test_what_the_message_suggests_works(recipe):
     with pytest.warns(AutocastWarning, match="changes nothing"):
         np.testing.assert_array_equal(jax.hessian(loss(excluded))(W), want)
     assert np.all(np.isfinite(want))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_reverse_mode_is_not_taken_for_forward_mode(direct):
+    # With jax_use_direct_linearize off, jax.grad traces the product with JVP tracers
+    # too (their tangents partial-evaluation tracers): a gradient, not an error.
+    before = jax.config.jax_use_direct_linearize
+    jax.config.update("jax_use_direct_linearize", direct)
+    try:
+        g = jax.jit(jax.grad(loss("tensorwise")))(W)
+        _, vjp = jax.vjp(loss("tensorwise"), W)
+    finally:
+        jax.config.update("jax_use_direct_linearize", before)
+    np.testing.assert_allclose(vjp(1.0)[0], g, rtol=1e-5)  # eager against jit
+    assert np.all(np.isfinite(g)) and np.any(g != 0)

@@ -37,10 +37,12 @@ forward contraction itself is a ``dot_general`` that the dot policies
 Derivatives: reverse mode, first order. A ``custom_vjp`` has no forward-mode rule,
 and this one could have no consistent one: its backward pass quantizes the incoming
 gradient, which is the transpose of no linear map. So ``jax.jvp``, ``jax.jacfwd``
-and ``jax.linearize``'s linear function fail: where JAX raises that inside the
-product's call (eager, or under ``vmap``, as in ``jacfwd``), `ForwardModeError`
-says so in autocast's terms; under ``jit`` JAX raises its own ``TypeError`` ("can't
-apply forward-mode autodiff (jvp) to a custom_vjp function") when compiling.
+and ``jax.linearize``'s linear function fail: `ForwardModeError` says so in
+autocast's terms when the product is traced with a forward-mode tangent (eager, under
+``vmap`` as in ``jacfwd``, and under an outer ``jit``). Where the tangent comes later
+(``jax.linearize``'s linear function, ``jax.jvp`` of a ``jit``-ed autocast function,
+whose body is traced before it is differentiated), JAX raises its own ``TypeError``
+("can't apply forward-mode autodiff (jvp) to a custom_vjp function").
 Differentiating the forward and backward rules themselves (``jax.hessian``,
 ``jax.jvp`` or ``jax.grad`` of a gradient, ``jacrev(jacrev(f))``) would
 differentiate the quantization (tangents rounded to float8 without scales: NaN, or
@@ -58,6 +60,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import JaxprEqn
+from jax.interpreters import ad, partial_eval as pe
 
 import numpy as np
 from jax.sharding import NamedSharding
@@ -304,6 +307,8 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
 
     custom = jax.custom_vjp(product)
     custom.defvjp(guarded_fwd, guarded_bwd)
+    if _forward_mode(lhs, rhs):  # said here: under jit, JAX would say it when compiling
+        raise ForwardModeError(_forward_mode_message(what))
     try:
         return custom(lhs, rhs, history, *rest)
     except TypeError as e:  # JAX's, from evaluating (or batching) the product's JVP
@@ -339,6 +344,17 @@ def _second_order_message(what: str) -> str:
             "(jax.hessian, jax.jvp or jax.grad of a gradient, jax.jacrev(jax.jacrev(f))) "
             "would differentiate the float8 quantization in its backward pass, which gives "
             "NaN or wrong values. " + _INSTEAD)
+
+
+def _forward_mode(*operands: Any) -> bool:
+    """Whether an operand carries a forward-mode tangent (``jax.jvp``, ``jax.jacfwd``).
+
+    Reverse mode linearizes: its tracers are ``LinearizeTracer``s or, with
+    ``jax_use_direct_linearize`` off, JVP tracers whose tangents are partial-evaluation
+    tracers; forward mode's tangents are values (arrays, jit's or vmap's tracers).
+    Operands that do not depend on the differentiated inputs carry no tangent."""
+    return any(isinstance(x, ad.JVPTracer) and not isinstance(x.tangent, pe.JaxprTracer)
+               for x in operands)
 
 
 def _first_order_only(what: str) -> Any:
