@@ -28,7 +28,9 @@ Tables of the report (``benchmarks/results/bench_fp8.json``):
     seed, under its ``mixed_bfloat16`` module policy and with its ``apply``
     under ``autocast(..., "mixed_bfloat16", fp8=recipe)`` for each recipe
     variant behind the defaults: held-out bits per byte (the example's
-    metric: one held-out batch) and the mean training loss of the last
+    metric: every window of the held-out text, the same for every seed; results
+    whose description does not say so, from before 2026-11-28, used one random
+    held-out batch per seed) and the mean training loss of the last
     ``--tail`` steps, both in bits per byte, means over the seeds (per-seed
     values under ``samples``); ratios to ``mixed_bfloat16``. ``--runs``
     picks runs by name; ``--experts E`` trains the example's
@@ -279,7 +281,8 @@ def training(report: harness.Report, a: argparse.Namespace, path: str) -> None:
                          f"{f' with {a.experts} experts (top-2)' if a.experts else ''}, "
                          f"{a.steps} steps, seeds "
                          f"{a.seeds[:i + 1]}, means over the seeds; training loss: mean of the "
-                         f"last {a.tail} steps"))
+                         f"last {a.tail} steps; held-out loss: every window of the held-out "
+                         f"text"))
         for name, s in samples.items():
             table.add_row(name, {k: float(np.mean(v)) for k, v in s.items()}, samples=s)
         report.write(path)
