@@ -357,3 +357,61 @@ def test_quantizing_a_weight_writes_no_rounding_masks(kind):
              if any(math.prod(s) in weight_sizes for s in shapes)}
     FIGURES.setdefault("weight_sized_masks", {})[kind] = len(masks)
     assert not masks, masks
+
+
+# --- e. collectives on eight GPUs ------------------------------------------------------
+
+SHARDED_OPTIMIZERS = {  # name: (optimizer, parameters' and gradients' dtypes)
+    "adam": (lambda: optax.adam(1e-3), jnp.float32, jnp.float32),
+    "loss_scaling": (lambda: jmp_policy.loss_scaling(optax.adam(1e-3), "dynamic"),
+                     jnp.float32, jnp.bfloat16),
+    "quantize_state 8-bit": (lambda: jmp_policy.quantize_state(optax.adam(1e-3)),
+                             jnp.float32, jnp.float32),
+    "quantize_state 4-bit": (lambda: jmp_policy.quantize_state(optax.adam(1e-3), bits=4),
+                             jnp.float32, jnp.float32),
+    "cast_state": (lambda: jmp_policy.cast_state(optax.adam(1e-3)), jnp.float32, jnp.float32),
+    "low_precision_params": (
+        lambda: jmp_policy.low_precision_params(optax.adam(1e-3), "stochastic"),
+        jnp.bfloat16, jnp.bfloat16),
+}
+_COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|collective-permute"
+                         r"|all-to-all)(?:-start)?\(")
+
+
+@pytest.mark.parametrize("name", list(SHARDED_OPTIMIZERS))
+def test_fsdp_optimizer_steps_on_eight_h100s_add_only_their_own_collectives(name):
+    """An FSDP step (12 weights sharded along their columns over 8 deviceless H100s, Auto
+    axes) of each optimizer: Adam's program has no collective; ours add only what their
+    job needs: loss scaling one scalar all-reduce (every device skips together: on
+    XLA:CPU one per gradient group, which XLA:GPU combines), the misuse check of
+    `low_precision_params` its samples (16 per weight, seen and landed), the quantized
+    and cast states none (their blocks lie within a shard)."""
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    topology = topologies.get_topology_desc(
+        platform="cuda", target_config=xla_gpu.harness.H100_TARGET, topology="1x1x8")
+    mesh = topologies.make_mesh(topology, (8,), ("data",))
+    make, p_dtype, g_dtype = SHARDED_OPTIMIZERS[name]
+    tx = make()
+    columns = NamedSharding(mesh, P(None, "data"))
+    shapes = [(1024, 2048 * (i % 3 + 1)) for i in range(12)]
+    params = [jax.ShapeDtypeStruct(s, p_dtype, sharding=columns) for s in shapes]
+    grads = [jax.ShapeDtypeStruct(s, g_dtype, sharding=columns) for s in shapes]
+    state = jax.tree.map(  # sharded like the parameters where shaped like them
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=(
+            columns if x.shape in shapes else NamedSharding(mesh, P()))),
+        jax.eval_shape(tx.init, params))
+
+    def step(g: Any, s: Any, p: Any) -> Any:
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    with xla_gpu.harness.callbacks_on_device():
+        text = jax.jit(step).trace(grads, state, params).lower().compile(
+            dict(xla_gpu._GPU_DEFAULTS)).as_text()
+    found = sorted(f"{kind} {shape.split('{')[0]}" for shape, kind in _COLLECTIVE.findall(text))
+    FIGURES.setdefault("fsdp_collectives_8_h100", {})[name] = found
+    expected = {"loss_scaling": ["all-reduce f32[]"],
+                "low_precision_params": ["all-reduce bf16[192]"] * 2}.get(name, [])
+    assert found == expected
