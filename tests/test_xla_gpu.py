@@ -408,8 +408,7 @@ def test_fsdp_optimizer_steps_on_eight_h100s_add_only_their_own_collectives(name
         return optax.apply_updates(p, updates), s
 
     with xla_gpu.harness.callbacks_on_device():
-        text = jax.jit(step).trace(grads, state, params).lower().compile(
-            dict(xla_gpu._GPU_DEFAULTS)).as_text()
+        text, _ = xla_gpu.compile_traced(jax.jit(step).trace(grads, state, params))
     found = sorted(f"{kind} {shape.split('{')[0]}" for shape, kind in _COLLECTIVE.findall(text))
     FIGURES.setdefault("fsdp_collectives_8_h100", {})[name] = found
     expected = {"loss_scaling": ["all-reduce f32[]"],

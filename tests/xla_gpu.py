@@ -119,7 +119,13 @@ def compile_for_h100(fn: Callable[..., Any], *arg_specs: Any,
     here. ``options``: XLA debug options for this compile
     (``{"xla_allow_excess_precision": False}``).
     """
-    lowered = jax.jit(fn).trace(*on_h100(arg_specs)).lower()
+    return compile_traced(jax.jit(fn).trace(*on_h100(arg_specs)), options)
+
+
+def compile_traced(traced: Any, options: Optional[Dict[str, Any]] = None) -> Tuple[str, float]:
+    """`compile_for_h100` of a traced function whose arguments already say their devices
+    (a mesh of deviceless GPUs, say)."""
+    lowered = traced.lower()
     with compilation_cache_off():
         start = time.perf_counter()
         compiled = lowered.compile({**_GPU_DEFAULTS, **(options or {})})
