@@ -44,7 +44,7 @@ def _same(a, b):
 def _check_against_autocast(dims, lhs, rhs, policy, fp8, eager_grads=True):
     dot = jmp_policy.dot_general(policy, fp8=fp8)
     out = dot(lhs, rhs, dims)  # eagerly: operation by operation
-    assert out.dtype == jnp.float32  # autocast's product: float32 accumulation and result
+    assert out.dtype == jnp.dtype(jmp_policy.Policy(policy).compute_dtype)  # autocast's product
     product = jmp_policy.autocast(lambda a, b: lax.dot_general(a, b, dims), policy, fp8=fp8)
     _same(out.astype(jmp_policy.Policy(policy).output_dtype), product(lhs, rhs))
     c = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
@@ -88,7 +88,7 @@ def test_vmap_gives_each_example_its_scales_as_vmap_of_autocast():
                                   "params=float32,compute=bfloat16,output=float32",
                                   fp8="tensorwise")
     mapped = jax.vmap(lambda a: dot(a, w, DENSE))(x)
-    _same(mapped, jax.vmap(lambda a: product(a, w))(x))
+    _same(mapped.astype(jnp.float32), jax.vmap(lambda a: product(a, w))(x))
     _same(mapped[1], dot(x[1], w, DENSE))
 
 
@@ -106,9 +106,9 @@ def test_operand_dtypes_and_preferred_element_type():
     jaxpr = str(jax.make_jaxpr(lambda a, b: dot(a, b, DENSE))(x.astype(jnp.bfloat16), w))
     assert "f16[8,16]" in jaxpr and "f16[16,4]" in jaxpr  # both operands in float16
     out = dot(x, w, DENSE)
-    assert out.dtype == jnp.float32
-    narrow = dot(x, w, DENSE, preferred_element_type=jnp.bfloat16)
-    _same(narrow, out.astype(jnp.bfloat16))  # accumulated in float32, then converted
+    assert out.dtype == jnp.float16
+    wide = dot(x, w, DENSE, preferred_element_type=jnp.float32)
+    _same(wide, out.astype(jnp.float32))  # rounded to float16 as autocast rounds, converted
     ints = jnp.arange(6, dtype=jnp.int8).reshape(2, 3)
     _same(dot(ints, ints.T, DENSE, preferred_element_type=jnp.int32),
           lax.dot_general(ints, ints.T, DENSE, preferred_element_type=jnp.int32))

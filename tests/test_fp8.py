@@ -134,11 +134,11 @@ def test_outputs_and_gradients_follow_the_policy():
         assert jax.eval_shape(f, p, x).dtype == out
         grads = jax.eval_shape(jax.grad(loss(f)), p, x)
         assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
-    # A product's own result is float32, as in the matmul class.
+    # A product's own result is in the compute dtype, as in the matmul class.
     f = autocast(lambda x, w: lax.reduce_precision(x @ w, 8, 23), "mixed_bfloat16", fp8="rowwise")
     (rp,) = [e for e in eqns(jax.make_jaxpr(f)(x[0], p["w1"])) if e.primitive.name ==
              "reduce_precision"]
-    assert rp.invars[0].aval.dtype == F32
+    assert rp.invars[0].aval.dtype == BF16
 
 
 def test_excluded_scopes_small_and_integer_products_stay_out_of_float8():

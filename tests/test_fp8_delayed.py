@@ -260,9 +260,16 @@ def test_a_nested_jit_called_twice_and_remat_take_their_own_histories():
         loss_value, (observed, grads) = step(state, ws, x)
         results.append((loss_value, observed, grads))
     (l0, o0, g0), (l1, o1, g1) = results
-    np.testing.assert_array_equal(l0, l1)
-    for a, b in zip(jax.tree.leaves((o0, g0)), jax.tree.leaves((o1, g1))):
-        np.testing.assert_array_equal(a, b)
+    # The two programs fuse the bfloat16 tanh differently (XLA:CPU keeps excess precision
+    # inside a fusion): the gradients' maxima differ in their last bits, and the float8
+    # gradients round a few values the other way. The operands' maxima are the same.
+    for h0, h1 in zip(o0.histories, o1.histories):
+        np.testing.assert_array_equal(h0.lhs, h1.lhs)
+        np.testing.assert_array_equal(h0.rhs, h1.rhs)
+        np.testing.assert_allclose(h0.grad, h1.grad, rtol=0.05)
+    np.testing.assert_allclose(l0, l1, rtol=1e-4)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        assert np.linalg.norm(a - b) < 0.1 * np.linalg.norm(a)
     assert o0.histories[0].rhs[0] != o0.histories[1].rhs[0]
 
 
@@ -499,7 +506,10 @@ def test_sharded_jit_and_shard_map_observe_the_global_maxima():
     assert out.pop("jit Auto replicated") and out.pop("jit Explicit replicated")
     for name, got in out.items():
         np.testing.assert_allclose(got[0], want[0], rtol=1e-6, err_msg=name)  # the maxima
-        np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-7, err_msg=name)
+        # The gradient: the float8 backward product rounds a few values the other way
+        # where a partitioned program fuses the bfloat16 tanh differently.
+        diff = np.linalg.norm(np.subtract(got[1], want[1])) / np.linalg.norm(want[1])
+        assert diff < 0.02, (name, diff)
 
 
 @pytest.mark.parametrize("policy", ["dots_saveable", "dots_with_no_batch_dims_saveable",

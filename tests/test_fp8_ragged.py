@@ -101,7 +101,7 @@ def test_ragged_products_are_float8_forward_and_backward(scaling):
 
 def test_small_excluded_and_other_layouts_stay_in_the_compute_dtype():
     x, w, ct, sizes = operands()
-    bf16 = [(BF16, BF16, F32, False), (BF16, BF16, BF16, False), (BF16, BF16, BF16, True)]
+    bf16 = [(BF16, BF16, BF16, False), (BF16, BF16, BF16, False), (BF16, BF16, BF16, True)]
 
     def scoped(x, w, sizes):
         with jax.named_scope("experts"):
@@ -122,7 +122,7 @@ def test_small_excluded_and_other_layouts_stay_in_the_compute_dtype():
     f = autocast(lambda x, ct, sizes: lax.ragged_dot_general(x, ct, sizes, dims),
                  "mixed_bfloat16", fp8="rowwise")
     with pytest.warns(AutocastWarning):
-        assert ragged_products(f, x, ct, sizes) == [(BF16, BF16, F32, True)]
+        assert ragged_products(f, x, ct, sizes) == [(BF16, BF16, BF16, True)]
 
 
 # --- accuracy ---------------------------------------------------------------------------

@@ -2,14 +2,16 @@
 as the matrix products they are.
 
 Under each policy and each recipe, a function differentiated through
-``jax.checkpoint`` saves the residuals plain JAX saves for the same function (the
-same shapes and dtypes, from the same kind of equation), and its backward pass
-recomputes as many matrix products as plain JAX's does. Before, a half-precision
-product was a ``custom_jvp_call`` to the policies: nothing was saved, every
-forward product was recomputed.
+``jax.checkpoint`` saves the residuals plain JAX saves for the same function written
+in the compute dtype (the same shapes and dtypes, from the same kind of equation: a
+half-precision product is saved in half precision), and its backward pass
+recomputes as many matrix products as plain JAX's does. A float8 product's
+``dot_general`` gives float32 before its scales are applied: the dot policies save
+that (its float8 operands are saved by name, `QUANTIZED_LHS` / `QUANTIZED_RHS`).
 """
 
 import contextlib
+import functools
 import io
 import re
 
@@ -81,9 +83,22 @@ def args(seed=0):
     return jax.random.normal(k1, (64, 64)) / 8, jax.random.normal(k2, (64, 64))
 
 
-def check_as_plain_jax(fn, reference, policy, *xs):
+def in_compute_dtype(fn, recipe):
+    """``fn`` written by hand in the recipe's compute dtype: its floating arguments cast."""
+    half = jnp.float16 if recipe == "mixed_float16" else jnp.bfloat16
+
+    @functools.wraps(fn)  # the same argument names, in print_saved_residuals
+    def cast(*xs):
+        return fn(*(x.astype(half) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs))
+    return cast
+
+
+def check_as_plain_jax(fn, reference, policy, *xs, quantized=False):
     want_saved = residuals(jax.checkpoint(reference, policy=policy), *xs)
     got_saved = residuals(jax.checkpoint(fn, policy=policy), *xs)
+    if quantized:  # the same values; a float8 product's dot_general gives float32 (unscaled)
+        want_saved, got_saved = (sorted(re.sub(r"^(bf16|f32)", "", line) for line in saved)
+                                 for saved in (want_saved, got_saved))
     assert got_saved == want_saved
     assert recomputed(fn, policy, *xs) == recomputed(reference, policy, *xs)
 
@@ -96,22 +111,25 @@ def test_policies_save_and_recompute_what_they_do_in_plain_jax(recipe, policy, i
     kw = recipe_of(recipe)
     f = (autocast(jax.checkpoint(layer, policy=POLICIES[policy]), **kw) if inside
          else autocast(layer, **kw))
-    ref = jax.checkpoint(layer, policy=POLICIES[policy]) if inside else layer
-    check_as_plain_jax(f, ref, POLICIES[policy], *args())
+    ref = in_compute_dtype(layer, recipe)
+    ref = jax.checkpoint(ref, policy=POLICIES[policy]) if inside else ref
+    check_as_plain_jax(f, ref, POLICIES[policy], *args(), quantized=recipe not in HALF)
 
 
 @pytest.mark.parametrize("recipe", HALF)
-def test_saved_products_are_the_float32_results_autocast_computes(recipe):
+def test_saved_products_are_in_the_compute_dtype(recipe):
+    # Half the memory of float32 products: what plain JAX saves in half precision.
     f = autocast(layer, recipe)
-    saved = residuals(jax.checkpoint(f, policy=cp.dots_saveable), *args())
-    assert [line for line in saved if "argument" not in line] == \
-        ["f32[4,16,16] output of dot_general", "f32[64,64] output of dot_general"]
-    # And the backward products still run in the compute dtype.
     half = np.dtype(jnp.bfloat16 if recipe == "mixed_bfloat16" else jnp.float16)
+    saved = residuals(jax.checkpoint(f, policy=cp.dots_saveable), *args())
+    short = "bf16" if recipe == "mixed_bfloat16" else "f16"
+    assert [line for line in saved if "output of dot_general" in line] == \
+        [f"{short}[4,16,16] output of dot_general", f"{short}[64,64] output of dot_general"]
+    # And the backward products run in the compute dtype.
     grad = jax.grad(jax.checkpoint(f, policy=cp.dots_saveable), argnums=(0, 1))
-    backward = [e for e in eqns(jax.make_jaxpr(grad)(*args()))
-                if e.primitive.name == "dot_general" and e.outvars[0].aval.dtype == half]
-    assert len(backward) == 4  # two per product
+    dots = [e for e in eqns(jax.make_jaxpr(grad)(*args())) if e.primitive.name == "dot_general"]
+    assert len(dots) == 6  # two forward, two backward per product
+    assert all(v.aval.dtype == half for e in dots for v in (*e.invars, *e.outvars))
 
 
 @pytest.mark.parametrize("recipe", HALF)
@@ -123,7 +141,8 @@ def test_convolutions_are_saved_as_in_plain_jax(recipe):
 
     w = jax.random.normal(jax.random.key(1), (3, 3, 8, 16)) / 8
     x = jax.random.normal(jax.random.key(2), (2, 8, 8, 8))
-    check_as_plain_jax(autocast(conv, recipe), conv, cp.dots_saveable, w, x)
+    check_as_plain_jax(autocast(conv, recipe), in_compute_dtype(conv, recipe), cp.dots_saveable,
+                       w, x)
 
 
 @pytest.mark.parametrize("recipe", (*HALF, *FLOAT8, *BLOCKS))

@@ -45,9 +45,9 @@ def dot_general(policy: PolicyLike = None, *, fp8: Float8Like = None) -> DotGene
     product inside ``fn``, values and derivatives:
 
     * Floating operands are cast to the policy's compute dtype and the product
-      accumulates in float32; the result is float32 (at least the compute
-      dtype), as autocast's matmul class returns it. Its backward products run
-      in the compute dtype too. Gradients come back in each operand's dtype.
+      accumulates in float32; the result is in the compute dtype, as autocast's
+      matmul class returns it. Its backward products run in the compute dtype
+      too. Gradients come back in each operand's dtype.
     * With ``fp8``, the product runs on float8 (or block-scaled) operands,
       forward and backward, where autocast's recipe would: a product with a
       dimension below the recipe's ``min_size``, with batch dimensions under
@@ -55,7 +55,8 @@ def dot_general(policy: PolicyLike = None, *, fp8: Float8Like = None) -> DotGene
       recipe excludes (``logits``, ``lm_head``, ``head``) runs in the compute
       dtype instead, with an ``AutocastWarning`` naming the reason.
     * ``preferred_element_type``, if given, is the result's dtype: the product
-      still accumulates in float32 and is converted to it.
+      still accumulates in float32, is rounded to the compute dtype as autocast
+      rounds it, and is converted to it.
     * ``precision`` is passed to products in the compute dtype (float32
       policies: JAX's own). A float8 product has no precision to choose: a
       ``precision`` other than ``None`` or ``DEFAULT`` warns there. Other keyword
@@ -78,9 +79,9 @@ def dot_general(policy: PolicyLike = None, *, fp8: Float8Like = None) -> DotGene
     >>> dot = jmp_policy.dot_general("mixed_bfloat16", fp8="tensorwise")
     >>> x, w = jnp.ones((32, 64)), jnp.ones((64, 16))
     >>> dot(x, w, (((1,), (0,)), ((), ()))).dtype
-    dtype('float32')
+    dtype(bfloat16)
     >>> same = jmp_policy.autocast(lambda x, w: x @ w, "mixed_bfloat16", fp8="tensorwise")
-    >>> bool((dot(x, w, (((1,), (0,)), ((), ()))).astype(jnp.bfloat16) == same(x, w)).all())
+    >>> bool((dot(x, w, (((1,), (0,)), ((), ()))) == same(x, w)).all())
     True
     """
     if isinstance(policy, (jax.Array, np.ndarray)):

@@ -8,7 +8,7 @@ recipe's scheme: `Float8` for tensorwise and rowwise scaling (here), or
 ``_block_matmul.Blocks`` for MXFP8 and NVFP4. With `Float8`, each operand is
 quantized with current scaling (``_fp8.quantize``) and goes straight into a
 ``dot_general`` of float8 operands that accumulates in float32; the result is
-rescaled and returned in float32, as the matmul class returns it.
+rescaled and returned in the compute dtype, as the matmul class returns it.
 
 >>> import jax, jax.numpy as jnp, jmp_policy
 >>> f = jmp_policy.autocast(lambda x, w: x @ w, "mixed_bfloat16", fp8="tensorwise")

@@ -12,8 +12,8 @@ parameter a new JAX version renamed into a clear error.
 >>> import jax, jax.numpy as jnp, jmp_policy
 >>> f = jmp_policy.autocast(lambda x: jax.jit(jnp.tanh)(x @ x), "mixed_float16")
 >>> (jit,) = [e for e in jax.make_jaxpr(f)(jnp.ones((2, 2))).eqns if e.primitive.name == "jit"]
->>> jit.params["name"], jit.params["jaxpr"].in_avals[0].dtype   # still a jit, on the float32 product
-('tanh', dtype('float32'))
+>>> jit.params["name"], jit.params["jaxpr"].in_avals[0].dtype   # still a jit, on the product
+('tanh', dtype('float16'))
 """
 
 from __future__ import annotations

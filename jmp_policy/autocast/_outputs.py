@@ -1,9 +1,8 @@
 """Which outputs of ``fn`` autocast returns in the policy's output dtype.
 
 An output is never narrowed below the precision it was computed in. Autocast
-computes matrix work in the compute dtype and accumulates it in float32, so a
-product's float32 result is a half-precision result in all but its rounding:
-an output made by matrix work is returned in the policy's output dtype. An
+computes matrix work in the compute dtype, so an output made by matrix work is
+returned in the policy's output dtype. An
 output made by a float32-class primitive (a reduction, a softmax, a norm, a
 loss) or by a cast the user wrote is returned in the dtype autocast computed,
 and so is an argument passed through.

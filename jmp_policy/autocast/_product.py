@@ -70,7 +70,7 @@ from jmp_policy.autocast import _sharding
 from jmp_policy.autocast._delayed import AmaxHistory, observation
 from jmp_policy.autocast._fp8 import RAGGED, WEIGHT_GRADIENT, Float8Recipe, in_groups, ragged_dims
 from jmp_policy.autocast._interpreter import bind
-from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, join
+from jmp_policy.autocast._lattice import DType, convert, dtype_of
 
 Name = Literal["lhs", "rhs", "g"]
 
@@ -215,8 +215,8 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
     """``eqn`` (a ``dot_general``, or a ``ragged_dot_general`` with its group sizes in
     ``rest``) of ``lhs`` and ``rhs`` on quantized operands, differentiable.
 
-    ``operand_formats`` are the forward formats of (lhs, rhs). The result is float32
-    (at least ``compute``), as the matmul class returns it. Differentiated, each
+    ``operand_formats`` are the forward formats of (lhs, rhs). The result is in
+    ``compute``, as the matmul class returns it. Differentiated, each
     operand's gradient is a quantized contraction of the incoming gradient (in
     ``recipe.bwd_dtype``) and the other operand, returned in the operand's dtype;
     with ``recipe.float8_weight_gradient`` off, rhs's gradient is a product in
@@ -229,7 +229,7 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
     # This rule runs whenever the product is differentiated, possibly after this trace:
     # it keeps the equation, recipe and dtypes, never a traced value.
     layout = layout_of(eqn, jnp.ndim(lhs), jnp.ndim(rhs))
-    acc, lhs_dtype, rhs_dtype = join(compute, F32), dtype_of(lhs), dtype_of(rhs)
+    lhs_dtype, rhs_dtype = dtype_of(lhs), dtype_of(rhs)
     fmt = {"lhs": operand_formats[0], "rhs": operand_formats[1], "g": recipe.bwd_dtype}
     fwd, d_lhs, d_rhs = layout.forward, layout.lhs_gradient, layout.rhs_gradient
 
@@ -246,7 +246,7 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
         qa = scheme.prepare(a, fmt["lhs"], fwd, 0, None, rest, *_of(h, "lhs"))
         qb = scheme.prepare(b, fmt["rhs"], fwd, 1, None, rest, *_of(h, "rhs"))
         out = scheme.contract(fwd, qa, qb, rest, fwd.result_sharding(a))
-        return convert(out, acc), a, qa, qb
+        return convert(out, compute), a, qa, qb
 
     def product(a: Any, b: Any, h: Optional[AmaxHistory], *rest: Any) -> Any:
         return forward(a, b, h, rest)[0]

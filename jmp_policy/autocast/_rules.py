@@ -3,8 +3,8 @@
 Every primitive with floating inputs belongs to one of three classes:
 
 ``"matmul"``
-    Matrix work (`MATMUL_PRIMITIVES`): operands in the policy's compute dtype,
-    accumulation and result in float32.
+    Matrix work (`MATMUL_PRIMITIVES`): operands and result in the policy's
+    compute dtype, accumulated in float32.
 ``"float32"``
     Numerically sensitive primitives (`FLOAT32_PRIMITIVES`): floating inputs
     widened to at least float32.
