@@ -70,7 +70,7 @@ from jmp_policy.autocast import _sharding
 from jmp_policy.autocast._delayed import AmaxHistory, observation
 from jmp_policy.autocast._fp8 import RAGGED, WEIGHT_GRADIENT, Float8Recipe, in_groups, ragged_dims
 from jmp_policy.autocast._interpreter import bind
-from jmp_policy.autocast._lattice import DType, convert, dtype_of
+from jmp_policy.autocast._lattice import DType, convert, dtype_of, represents
 
 Name = Literal["lhs", "rhs", "g"]
 
@@ -246,7 +246,7 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
         qa = scheme.prepare(a, fmt["lhs"], fwd, 0, None, rest, *_of(h, "lhs"))
         qb = scheme.prepare(b, fmt["rhs"], fwd, 1, None, rest, *_of(h, "rhs"))
         out = scheme.contract(fwd, qa, qb, rest, fwd.result_sharding(a))
-        return convert(out, compute), a, qa, qb
+        return _narrowed(out, compute), a, qa, qb
 
     def product(a: Any, b: Any, h: Optional[AmaxHistory], *rest: Any) -> Any:
         return forward(a, b, h, rest)[0]
@@ -369,6 +369,16 @@ def _first_order_only(what: str) -> Any:
         raise ForwardModeError(_second_order_message(what))
 
     return first_order
+
+
+def _narrowed(out: jax.Array, compute: DType) -> Any:
+    """The float32 product in the compute dtype, rounded by `formats.encode`: a float32-class
+    operation after the product widens it again, and XLA:GPU removes a plain conversion's
+    round trip (float32 -> bfloat16 -> float32), which would leave the product unrounded
+    there and rounded on a CPU."""
+    if represents(compute, dtype_of(out)):
+        return convert(out, compute)
+    return formats.encode(out, compute)
 
 
 def _shape(x: Any) -> str:
