@@ -118,13 +118,13 @@ def test_every_eligible_product_forward_and_backward_is_float8(scaling):
     fp8 = [d for d in formats if d not in head]
     # Forward: x @ w1 and the two attention products; backward: two per product
     # (the grad with respect to x is computed, then unused).
-    assert sorted(fp8).count((E4M3, E4M3, F32)) == 3 and len(fp8) == 9
-    assert all(set(d[:2]) == {E5M2, E4M3} and d[2] == F32 for d in fp8[3:])
-    # The logits head is excluded by default: the matmul class (bfloat16, float32 sums).
+    assert sorted(fp8).count((E4M3, E4M3, BF16)) == 3 and len(fp8) == 9
+    assert all(set(d[:2]) == {E5M2, E4M3} and d[2] == BF16 for d in fp8[3:])
+    # The logits head is excluded by default: the matmul class (bfloat16).
     assert head and all(d[0] in (BF16, F32) and d[1] == BF16 and d[2] in (BF16, F32)
                         for d in head)
     # The forward pass alone.
-    assert dots(f, p, x).count((E4M3, E4M3, F32)) == 3
+    assert dots(f, p, x).count((E4M3, E4M3, BF16)) == 3
 
 
 def test_outputs_and_gradients_follow_the_policy():
@@ -174,8 +174,8 @@ def test_products_of_a_gradient_computed_inside_fn_take_e5m2_gradients():
     p, x = mlp_params(), rng(2, 16, 32)
     f = autocast(jax.grad(loss(mlp)), "mixed_bfloat16", fp8=Float8Recipe(exclude=()))
     formats = dots(f, p, x)
-    assert formats[:4] == [(E4M3, E4M3, F32)] * 4
-    assert formats[4:] and all(d == (E5M2, E4M3, F32) for d in formats[4:])
+    assert formats[:4] == [(E4M3, E4M3, BF16)] * 4
+    assert formats[4:] and all(d == (E5M2, E4M3, BF16) for d in formats[4:])
     got, want = f(p, x), jax.jit(jax.grad(loss(mlp)))(p, x)
     assert all(rel_error(got[k], want[k]) < 0.15 for k in p)
 
@@ -185,7 +185,7 @@ def test_weight_gradient_can_stay_in_the_compute_dtype():
     f = autocast(lambda x, w: x @ w, "mixed_bfloat16",
                  fp8=Float8Recipe(float8_weight_gradient=False))
     grad = jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) ** 2), (0, 1))
-    assert dots(grad, x, w)[1:] == [(E5M2, E4M3, F32), (BF16, BF16, BF16)]
+    assert dots(grad, x, w)[1:] == [(E5M2, E4M3, BF16), (BF16, BF16, BF16)]
     want = jax.grad(lambda x, w: jnp.sum((x @ w) ** 2), (0, 1))(x, w)
     for got, expected in zip(jax.jit(grad)(x, w), want):
         assert rel_error(got, expected) < 0.1
@@ -301,7 +301,7 @@ def test_scan_remat_and_shard_map_bodies_run_float8_products():
         f = autocast(fn, "mixed_bfloat16", fp8="rowwise")
         grad = jax.grad(lambda ws, x: jnp.sum(f(ws, x).astype(jnp.float32) ** 2))
         formats = dots(grad, ws, x)
-        assert formats and all(E4M3 in d[:2] and d[2] == F32 for d in formats)
+        assert formats and all(E4M3 in d[:2] and d[2] == BF16 for d in formats)
         assert rel_error(f(ws, x), jax.jit(fn)(ws, x)) < 0.1
         want = jax.jit(jax.grad(lambda ws, x: jnp.sum(fn(ws, x) ** 2)))(ws, x)
         assert rel_error(jax.jit(grad)(ws, x), want) < 0.1
@@ -333,7 +333,7 @@ def test_flax_linen_scan_stack_and_nnx_modules():
 
     layer = nnx.Linear(32, 16, rngs=nnx.Rngs(0))
     g = autocast(lambda m, x: m(x), "mixed_bfloat16", fp8="rowwise")
-    assert dots(g, layer, x) == [(E4M3, E4M3, F32)]
+    assert dots(g, layer, x) == [(E4M3, E4M3, BF16)]
     out = g(layer, x)
     assert out.dtype == BF16 and rel_error(out, x @ layer.kernel[...] + layer.bias[...]) < 0.05
 
@@ -353,7 +353,7 @@ def test_transformer_lm_example_runs_float8_products_and_takes_its_flags(tmp_pat
         params, opt_state = jax.eval_shape(init, 0)
         formats = dots(train_step, params, opt_state, tokens)
         # Forward: qkv, scores, weights x values, proj, two MLP layers, then the head.
-        assert formats[:6] == [(E4M3, E4M3, F32)] * 6 and formats[6][1] == head
+        assert formats[:6] == [(E4M3, E4M3, BF16)] * 6 and formats[6][1] == head
         assert all(E5M2 in d[:2] for d in formats[7:] if head not in d[:2])
 
     # The command line: a run per --fp8 scaling of the first policy, and --fp8-head.

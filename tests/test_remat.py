@@ -6,8 +6,10 @@ Under each policy and each recipe, a function differentiated through
 in the compute dtype (the same shapes and dtypes, from the same kind of equation: a
 half-precision product is saved in half precision), and its backward pass
 recomputes as many matrix products as plain JAX's does. A float8 product's
-``dot_general`` gives float32 before its scales are applied: the dot policies save
-that (its float8 operands are saved by name, `QUANTIZED_LHS` / `QUANTIZED_RHS`).
+``dot_general`` gives bfloat16 before its scales are applied, which the dot policies
+save; an emulated block product's (MXFP8, NVFP4) multiplies dequantized values in
+float32. A quantized product's float8 operands are saved by name (`QUANTIZED_LHS`,
+`QUANTIZED_RHS`).
 """
 
 import contextlib
@@ -96,7 +98,7 @@ def in_compute_dtype(fn, recipe):
 def check_as_plain_jax(fn, reference, policy, *xs, quantized=False):
     want_saved = residuals(jax.checkpoint(reference, policy=policy), *xs)
     got_saved = residuals(jax.checkpoint(fn, policy=policy), *xs)
-    if quantized:  # the same values; a float8 product's dot_general gives float32 (unscaled)
+    if quantized:  # the same values; a block product's dot_general gives float32
         want_saved, got_saved = (sorted(re.sub(r"^(bf16|f32)", "", line) for line in saved)
                                  for saved in (want_saved, got_saved))
     assert got_saved == want_saved
@@ -113,7 +115,7 @@ def test_policies_save_and_recompute_what_they_do_in_plain_jax(recipe, policy, i
          else autocast(layer, **kw))
     ref = in_compute_dtype(layer, recipe)
     ref = jax.checkpoint(ref, policy=POLICIES[policy]) if inside else ref
-    check_as_plain_jax(f, ref, POLICIES[policy], *args(), quantized=recipe not in HALF)
+    check_as_plain_jax(f, ref, POLICIES[policy], *args(), quantized=recipe in BLOCKS)
 
 
 @pytest.mark.parametrize("recipe", HALF)

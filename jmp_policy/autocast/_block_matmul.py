@@ -178,7 +178,8 @@ class Blocks:
         return False
 
     def contract(self, c: Contraction, left: Any, right: Any, rest: Sequence[Any],
-                 out_sharding: Optional[NamedSharding]) -> jax.Array:
+                 out_sharding: Optional[NamedSharding], gemm_dtype: DType) -> jax.Array:
+        # Block products multiply dequantized values in float32 (gemm_dtype unused).
         scaling = self.recipe.scaling
         if not c.ragged:
             return block_dot(left.x, right.x, c.dims, scaling, (left.dtype, right.dtype),

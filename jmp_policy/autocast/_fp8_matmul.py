@@ -7,14 +7,15 @@ default `matmul` rule. An eligible ``dot_general`` or mixture-of-experts
 recipe's scheme: `Float8` for tensorwise and rowwise scaling (here), or
 ``_block_matmul.Blocks`` for MXFP8 and NVFP4. With `Float8`, each operand is
 quantized with current scaling (``_fp8.quantize``) and goes straight into a
-``dot_general`` of float8 operands that accumulates in float32; the result is
-rescaled and returned in the compute dtype, as the matmul class returns it.
+``dot_general`` of float8 operands that accumulates in float32 and gives bfloat16
+under a bfloat16 policy (half the bytes; ``_product._gemm_dtype``); the result is
+rescaled in float32 and returned in the compute dtype, as the matmul class returns it.
 
 >>> import jax, jax.numpy as jnp, jmp_policy
 >>> f = jmp_policy.autocast(lambda x, w: x @ w, "mixed_bfloat16", fp8="tensorwise")
 >>> module = jax.jit(f).lower(jnp.ones((32, 64)), jnp.ones((64, 16))).as_text()
 >>> [line.split(" : ")[-1] for line in module.splitlines() if "stablehlo.dot_general" in line]
-['(tensor<32x64xf8E4M3FN>, tensor<64x16xf8E4M3FN>) -> tensor<32x16xf32>']
+['(tensor<32x64xf8E4M3FN>, tensor<64x16xf8E4M3FN>) -> tensor<32x16xbf16>']
 """
 
 from __future__ import annotations
@@ -128,11 +129,12 @@ class Float8:
         return self.recipe.scaling in ("tensorwise", "delayed")
 
     def contract(self, c: Contraction, left: Any, right: Any, rest: Sequence[Any],
-                 out_sharding: Optional[NamedSharding]) -> jax.Array:
-        out = c.dot(left[0], right[0], rest, out_sharding, preferred_element_type=F32)
+                 out_sharding: Optional[NamedSharding], gemm_dtype: DType) -> jax.Array:
         if not c.ragged:
+            out = c.dot(left[0], right[0], rest, out_sharding, preferred_element_type=gemm_dtype)
             return _scaled_product(left, right, DenseAxes.of(c.dims, left[0].ndim, right[0].ndim),
-                                   out, out_sharding)
+                                   lax.convert_element_type(out, F32), out_sharding)
+        out = c.dot(left[0], right[0], rest, out_sharding, preferred_element_type=F32)
         if c.grouped:  # [groups, k, n]: lhs scaled per (group, k), g per (group, n)
             return _rescaled_groups(out, left[1], right[1])
         return _rescaled_rows(out, left[1], lax.squeeze(right[1], c.axes[1]), rest[0])

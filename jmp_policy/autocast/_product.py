@@ -70,7 +70,7 @@ from jmp_policy.autocast import _sharding
 from jmp_policy.autocast._delayed import AmaxHistory, observation
 from jmp_policy.autocast._fp8 import RAGGED, WEIGHT_GRADIENT, Float8Recipe, in_groups, ragged_dims
 from jmp_policy.autocast._interpreter import bind
-from jmp_policy.autocast._lattice import DType, convert, dtype_of, represents
+from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, represents
 
 Name = Literal["lhs", "rhs", "g"]
 
@@ -203,9 +203,10 @@ class Scheme(Protocol):
         """Whether an operand prepared for one contraction serves ``c`` as it is."""
 
     def contract(self, c: Contraction, left: Any, right: Any, rest: Sequence[Any],
-                 out_sharding: Optional[NamedSharding]) -> jax.Array:
+                 out_sharding: Optional[NamedSharding], gemm_dtype: DType) -> jax.Array:
         """``c`` of prepared operands, in float32 and rescaled, sharded as ``out_sharding``
-        if given (`Contraction.result_sharding`)."""
+        if given (`Contraction.result_sharding`). The GEMM may give its unscaled result in
+        ``gemm_dtype`` (see `_gemm_dtype`), which the rescaling then widens."""
 
 
 def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
@@ -229,7 +230,7 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
     # This rule runs whenever the product is differentiated, possibly after this trace:
     # it keeps the equation, recipe and dtypes, never a traced value.
     layout = layout_of(eqn, jnp.ndim(lhs), jnp.ndim(rhs))
-    lhs_dtype, rhs_dtype = dtype_of(lhs), dtype_of(rhs)
+    lhs_dtype, rhs_dtype, gemm = dtype_of(lhs), dtype_of(rhs), _gemm_dtype(compute)
     fmt = {"lhs": operand_formats[0], "rhs": operand_formats[1], "g": recipe.bwd_dtype}
     fwd, d_lhs, d_rhs = layout.forward, layout.lhs_gradient, layout.rhs_gradient
 
@@ -245,7 +246,7 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
         a = layout.masked(a, rest)
         qa = scheme.prepare(a, fmt["lhs"], fwd, 0, None, rest, *_of(h, "lhs"))
         qb = scheme.prepare(b, fmt["rhs"], fwd, 1, None, rest, *_of(h, "rhs"))
-        out = scheme.contract(fwd, qa, qb, rest, fwd.result_sharding(a))
+        out = scheme.contract(fwd, qa, qb, rest, fwd.result_sharding(a), gemm)
         return _narrowed(out, compute), a, qa, qb
 
     def product(a: Any, b: Any, h: Optional[AmaxHistory], *rest: Any) -> Any:
@@ -273,14 +274,14 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
                                *(() if seen is None else (seen[0],)))
         grad_lhs = scheme.contract(
             d_lhs, g_lhs, scheme.prepare(b_res, fmt["rhs"], d_lhs, 1, None, rest), rest,
-            lhs_sharding)
+            lhs_sharding, gemm)
         if recipe.float8_weight_gradient:
             at = d_rhs.operands.index("g")
             g_rhs = g_lhs if scheme.reuses(g_lhs, d_rhs) else \
                 scheme.prepare(g, fmt["g"], d_rhs, at, seed(d_rhs), rest)
             a_rhs = scheme.prepare(a_res, fmt["lhs"], d_rhs, 1 - at, None, rest)
             grad_rhs = scheme.contract(d_rhs, *((g_rhs, a_rhs) if at == 0 else (a_rhs, g_rhs)),
-                                       rest, rhs_sharding)
+                                       rest, rhs_sharding, gemm)
         else:  # as the matmul class's backward products: compute-dtype operands and result
             named = {"g": convert(g, compute), "lhs": convert(a_res, compute)}
             left, right = (named[n] for n in d_rhs.operands)
@@ -369,6 +370,15 @@ def _first_order_only(what: str) -> Any:
         raise ForwardModeError(_second_order_message(what))
 
     return first_order
+
+
+def _gemm_dtype(compute: DType) -> DType:
+    """The dtype a float8 GEMM gives its unscaled result in: the compute dtype where it
+    has float32's range (bfloat16: the GEMM writes half the bytes of float32, and a
+    ``jax.checkpoint`` dot policy saves that), else float32 (float8 operands scaled to
+    their format's maximum multiply to far beyond float16's)."""
+    f32, fmt = jnp.finfo(F32), jnp.finfo(compute)  # type: ignore[no-untyped-call]
+    return compute if int(fmt.maxexp) >= int(f32.maxexp) else F32
 
 
 def _narrowed(out: jax.Array, compute: DType) -> Any:
