@@ -61,11 +61,13 @@ def _arranged(x: Any, contract: Sequence[int], batch: Sequence[int], block: int)
 def block_dot(a: Any, b: Any, dims: Any, scaling: str, formats: tuple[DType, DType], *,
               native: bool, seeds: tuple[Optional[jax.Array], Optional[jax.Array]] = (None, None),
               tensor_scales: tuple[Optional[jax.Array], Optional[jax.Array]] = (None, None),
-              out_sharding: Optional[NamedSharding] = None) -> jax.Array:
+              out_sharding: Optional[NamedSharding] = None,
+              gemm_dtype: DType = F32) -> jax.Array:
     """``dot_general(a, b, dims)`` in float32, both operands block-quantized along their
     contracting axes in ``formats`` (rounded stochastically where ``seeds`` has a seed;
     NVFP4's per-tensor scales computed unless given in ``tensor_scales``), the result
-    sharded as ``out_sharding`` if given (explicit mesh axes)."""
+    sharded as ``out_sharding`` if given (explicit mesh axes). The product itself gives
+    ``gemm_dtype`` (accumulated in float32), which NVFP4's tensor scales then widen."""
     (lc, rc), (lb, rb) = dims
     block = _blocks.BLOCK_SIZES[scaling]
     # (batch, free, contracting), quantized along the last axis
@@ -75,16 +77,17 @@ def block_dot(a: Any, b: Any, dims: Any, scaling: str, formats: tuple[DType, DTy
                                                     tensor_scales))
     batch = len(lb)
     if native:
-        out = _native(qa, qb, batch, scaling)
+        out = _native(qa, qb, batch, scaling, gemm_dtype)
     else:  # the same layout as dot_general(a, b, dims)'s result: (batch, lhs free, rhs free)
         arranged = (((qa.values.ndim - 1,), (qb.values.ndim - 1,)),
                     (tuple(range(batch)), tuple(range(batch))))
         out = lax.dot_general(qa.dequantized(), qb.dequantized(), arranged, precision=_HIGHEST,
-                              preferred_element_type=F32, out_sharding=out_sharding)
-    return _tensor_scaled(out, scaling, qa.tensor_scale, qb.tensor_scale)
+                              preferred_element_type=gemm_dtype, out_sharding=out_sharding)
+    return _tensor_scaled(convert(out, F32), scaling, qa.tensor_scale, qb.tensor_scale)
 
 
-def _native(qa: _blocks.Blocks, qb: _blocks.Blocks, batch: int, scaling: str) -> jax.Array:
+def _native(qa: _blocks.Blocks, qb: _blocks.Blocks, batch: int, scaling: str,
+            gemm_dtype: DType) -> jax.Array:
     """The product of arranged block-quantized operands (``batch`` batch axes) as
     ``jax.nn.scaled_matmul`` runs it, on three axes (batch, free, contracting, each
     flattened), returned in the layout of ``dot_general``'s result; without the tensor
@@ -95,7 +98,7 @@ def _native(qa: _blocks.Blocks, qb: _blocks.Blocks, batch: int, scaling: str) ->
 
     scale = _blocks.SCALE_DTYPES[scaling]
     out = jax.nn.scaled_matmul(bmk(qa.values), bmk(qb.values), convert(bmk(qa.scales), scale),
-                               convert(bmk(qb.scales), scale), preferred_element_type=F32)
+                               convert(bmk(qb.scales), scale), preferred_element_type=gemm_dtype)
     return lax.reshape(out, (*jnp.shape(qa.values)[:-1], *jnp.shape(qb.values)[batch:-1]))
 
 
@@ -179,13 +182,12 @@ class Blocks:
 
     def contract(self, c: Contraction, left: Any, right: Any, rest: Sequence[Any],
                  out_sharding: Optional[NamedSharding], gemm_dtype: DType) -> jax.Array:
-        # Block products multiply dequantized values in float32 (gemm_dtype unused).
         scaling = self.recipe.scaling
         if not c.ragged:
             return block_dot(left.x, right.x, c.dims, scaling, (left.dtype, right.dtype),
                              native=self.native, seeds=(left.seed, right.seed),
                              tensor_scales=(left.tensor_scale, right.tensor_scale),
-                             out_sharding=out_sharding)
+                             out_sharding=out_sharding, gemm_dtype=gemm_dtype)
         out = c.dot(left[0], right[0], rest, precision=_HIGHEST, preferred_element_type=F32)
         if scaling != "nvfp4":
             return out
