@@ -60,18 +60,26 @@ import optax
 
 import jmp_policy
 from jmp_policy import _rules
+from jmp_policy._flax_float8 import (
+    FLOAT8_HISTORIES, Float8Histories, LinenFloat8DotGeneral, NNXFloat8DotGeneral,
+    record_float8_histories)
 from jmp_policy._casting import path_str
 from jmp_policy.loss_scale import LossScale, LossScaleLike
 from jmp_policy.policy import Policy, PolicyLike, as_policy
 from jmp_policy.transform import loss_scaling_state, scaled_loss_fn
 
 __all__ = [
+    "FLOAT8_HISTORIES",
+    "Float8Histories",
+    "LinenFloat8DotGeneral",
     "ModulePolicy",
+    "NNXFloat8DotGeneral",
     "module_kwargs",
     "module_policy",
     "nnx_scaled_value_and_grad",
     "optimizer_loss_scale",
     "optimizer_skipped_steps",
+    "record_float8_histories",
     "set_nnx_policy",
 ]
 

@@ -97,9 +97,11 @@ def dot_general(policy: PolicyLike = None, *, fp8: Float8Like = None) -> DotGene
     if recipe is not None and recipe.delayed:
         raise ValueError(
             "jmp_policy.dot_general cannot take a delayed-scaling Float8Recipe: its scales "
-            "come from amax histories, state that a dot_general has no argument for. Wrap the "
-            "loss in jmp_policy.autocast(loss, policy, fp8=Float8Recipe('delayed')) with a "
-            "jmp_policy.float8_state instead, or use a current scaling here "
+            "come from amax histories, state that a dot_general has no argument for. In a "
+            "Flax layer, use the layer that keeps them: jmp_policy.flax.LinenFloat8DotGeneral "
+            "(dot_general_cls=) or jmp_policy.flax.NNXFloat8DotGeneral (dot_general=); or "
+            "wrap the loss in jmp_policy.autocast(loss, policy, fp8=Float8Recipe('delayed')) "
+            "with a jmp_policy.float8_state; or use a current scaling here "
             "(fp8='tensorwise').")
     return DotGeneral(as_policy(policy), recipe)
 
