@@ -469,8 +469,10 @@ def test_the_public_names():
 _SHARDED = r'''
 import json, jax, jax.numpy as jnp, numpy as np, jmp_policy
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+# tanh in float32: the programs differ by partitioning, not by how XLA fuses bfloat16 work.
 f = jmp_policy.autocast(lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2), "mixed_bfloat16",
-                        fp8=jmp_policy.Float8Recipe("delayed", amax_history_length=4))
+                        fp8=jmp_policy.Float8Recipe("delayed", amax_history_length=4),
+                        rules={"float32": ["tanh"]})
 w = jax.random.normal(jax.random.key(0), (64, 64)) * 0.1
 x = jax.random.normal(jax.random.key(1), (128, 64)) * jnp.arange(1, 129)[:, None]  # outlier rows
 state = jmp_policy.float8_state(f, w, x)
@@ -506,8 +508,8 @@ def test_sharded_jit_and_shard_map_observe_the_global_maxima():
     assert out.pop("jit Auto replicated") and out.pop("jit Explicit replicated")
     for name, got in out.items():
         np.testing.assert_allclose(got[0], want[0], rtol=1e-6, err_msg=name)  # the maxima
-        # The gradient: the float8 backward product rounds a few values the other way
-        # where a partitioned program fuses the bfloat16 tanh differently.
+        # The gradient: the weight's sums over the batch's shards are bfloat16 GEMM
+        # results, added in another order.
         diff = np.linalg.norm(np.subtract(got[1], want[1])) / np.linalg.norm(want[1])
         assert diff < 0.02, (name, diff)
 
