@@ -20,12 +20,11 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
 import jmp_policy
-from jmp_policy.autocast._delayed import AmaxHistory, Float8State
+from jmp_policy.autocast._delayed import Float8State, empty_history
 from jmp_policy.autocast._fp8 import Float8Like, Float8Recipe, as_recipe
 from jmp_policy.policy import Policy, PolicyLike, as_policy
 
@@ -129,9 +128,8 @@ class NNXFloat8DotGeneral(nnx.Module):
     def __init__(self, policy: PolicyLike = "mixed_bfloat16", fp8: Float8Like = "delayed"):
         self.policy = as_policy(policy)
         self.recipe = _delayed(fp8, "NNXFloat8DotGeneral")
-        empty = jnp.zeros((self.recipe.amax_history_length,), jnp.float32)
-        self.histories = Float8Histories(
-            Float8State((AmaxHistory(empty, empty, empty),), ("",)))
+        history = empty_history((self.recipe.amax_history_length,))
+        self.histories = Float8Histories(Float8State((history,), ("",)))
 
     def __call__(self, lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any = None,
                  preferred_element_type: Any = None, **kwargs: Any) -> Any:

@@ -147,7 +147,7 @@ class Slots:
         index = self.taken
         self.requests.append((scope, stack))
         if self.given is None:
-            return _empty(shape)
+            return empty_history(shape)
         if index >= len(self.given):
             raise ValueError(
                 f"This Float8State has {len(self.given)} product histories, but the "
@@ -197,11 +197,11 @@ def stacked(slots: Any, requests: Sequence[tuple[str, tuple[int, ...]]],
 
 def make_state(slots: Slots) -> Float8State:
     """A state of empty histories for what ``slots`` recorded."""
-    histories = tuple(_empty((*stack, slots.length)) for _, stack in slots.requests)
+    histories = tuple(empty_history((*stack, slots.length)) for _, stack in slots.requests)
     return Float8State(histories, tuple(scope for scope, _ in slots.requests))
 
 
-def _empty(shape: tuple[int, ...]) -> AmaxHistory:
+def empty_history(shape: tuple[int, ...]) -> AmaxHistory:
     """Empty histories (all zeros: nothing observed yet) of ``shape``."""
     zeros = jnp.zeros(shape, _F32)
     return AmaxHistory(zeros, zeros, zeros)
