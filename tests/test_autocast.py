@@ -197,6 +197,56 @@ def test_follow_primitives_take_the_widest_input():
     assert out_dtype(by_name["sub"]) == F32   # float16 - bfloat16: neither holds the other
 
 
+def test_scalar_constants_of_fn_follow_the_computation_unless_they_do_not_fit():
+    # fn traced with float32 inputs writes constants typed from them (np.float32 here, as
+    # jax.nn.gelu writes its coefficients in its input's dtype): they do not widen a
+    # float16 product, unless float16 cannot hold them (overflow, or flushing below normal).
+    x, w = rng(4, 8), rng(8, 8, seed=1)
+
+    def fn(x, w):
+        y = x @ w
+        # Sums are float32-class: returned as computed, not in the output dtype.
+        return (y * np.float32(0.5), jnp.sum(y * np.float32(1e6), axis=1),
+                jnp.sum(jnp.maximum(-jnp.abs(y), np.float32(1e-30)), axis=1))
+
+    f = autocast(fn, "mixed_float16")
+    kinds = {"mul", "max"}  # in fn's order
+    half, big, floor = (out_dtype(e) for e in eqns(jax.make_jaxpr(f)(x, w))
+                        if e.primitive.name in kinds)
+    assert (half, big, floor) == (F16, F32, F32)
+    got = f(x, w)
+    assert np.all(np.isfinite(np.asarray(got[1], np.float32)))  # 1e6 * y: no inf
+    assert float(jnp.min(got[2])) > 0  # the floor is 1e-30, not float16's 0
+    close(got[0], (x @ w) * 0.5, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_gelu_of_a_product_runs_as_plain_half_precision_jax_where_the_range_allows(policy):
+    # jax.nn.gelu's x ** 3: under bfloat16 (float32's range) the activation stays
+    # bfloat16 as in plain bfloat16 JAX, so it is stored (for the backward pass, for a
+    # float8 cast) at half the bytes; under float16 x ** 3 overflows above 40, so it
+    # runs in float32 (RANGE_PRIMITIVES).
+    half = np.dtype(jmp_policy.get_policy(policy).compute_dtype)
+    x, w = rng(16, 32, scale=3.0), rng(32, 64, seed=1)
+    f = jax.jit(autocast(lambda x, w: jax.nn.gelu(x @ w), policy))
+    (pow_,) = find(f, x, w, name="integer_pow")
+    (tanh,) = find(f, x, w, name="tanh")
+    if half == BF16:
+        assert out_dtype(pow_) == out_dtype(tanh) == BF16
+        plain = jax.jit(lambda x, w: jax.nn.gelu(x @ w))(x.astype(BF16), w.astype(BF16))
+        np.testing.assert_array_equal(np.asarray(f(x, w), np.float32),
+                                      np.asarray(plain, np.float32))
+    else:
+        assert out_dtype(pow_) == out_dtype(tanh) == F32
+        big = jnp.full((16, 32), 2.0, jnp.float32)  # products of 64: 64**3 > float16's max
+        assert np.all(np.isfinite(np.asarray(f(big, jnp.ones((32, 64))), np.float32)))
+    # rules= still decides: listed as float32, x ** 3 is float32 under every policy.
+    pinned = autocast(lambda x, w: jax.nn.gelu(x @ w), policy,
+                      rules={"float32": ["integer_pow"]})
+    (pow_,) = find(pinned, x, w, name="integer_pow")
+    assert out_dtype(pow_) == F32
+
+
 def test_ints_bools_and_prng_keys_are_untouched():
     def fn(key, n, mask, x):
         noise = jax.random.normal(key, x.shape)

@@ -207,7 +207,9 @@ def test_a_scanned_stack_gets_a_history_per_layer_equal_to_the_unrolled_loop():
         for name in ("lhs", "rhs", "grad"):
             np.testing.assert_allclose(getattr(per_layer, name)[i], getattr(history, name),
                                        rtol=1e-6)
-    np.testing.assert_allclose(loss_s, loss_u, rtol=1e-6)
+    # The unrolled loss squares the last bfloat16 activation (x ** 2 follows its input under
+    # bfloat16), the scanned one its float32 carry: equal to within bfloat16's rounding.
+    np.testing.assert_allclose(loss_s, loss_u, rtol=2e-3)
     np.testing.assert_allclose(grads_s, jnp.stack(grads_u), rtol=1e-5, atol=1e-7)
 
 

@@ -7,14 +7,16 @@ primitive by primitive, choosing each primitive's precision from three classes:
 ``"matmul"``
     ``dot_general``, ``conv_general_dilated``, ``ragged_dot_general``. Floating
     inputs are cast to the policy's compute dtype and the product accumulates
-    in float32 (``preferred_element_type``), so the result is float32. The
-    products of the backward pass take half-precision operands too.
+    in float32, returning the compute dtype (``preferred_element_type``), as
+    plain JAX does. The products of the backward pass run so too.
 ``"float32"``
     Numerically sensitive primitives (see `FLOAT32_PRIMITIVES`). Floating
-    inputs are widened to at least float32 (float64 stays float64).
+    inputs are widened to at least float32 (float64 stays float64); squares
+    (`RANGE_PRIMITIVES`) only under float16, whose range they overflow.
 ``"follow"``
     Everything else: the widest floating input wins (JAX promotion; weakly
-    typed Python scalars do not widen), so nothing is ever silently narrowed.
+    typed Python scalars, and scalar constants of ``fn`` that the result's
+    dtype holds, do not widen), so nothing is ever silently narrowed.
 
 A float32 value, once produced, stays float32 for the operations that follow;
 it is narrowed only where it feeds matrix work. Narrowing means fewer bits of
@@ -72,6 +74,7 @@ from jmp_policy.autocast._rules import (
     FLOAT32_PRIMITIVES,
     FOLLOW_PRIMITIVES,
     MATMUL_PRIMITIVES,
+    RANGE_PRIMITIVES,
     AutocastWarning,
 )
 
@@ -83,6 +86,7 @@ __all__ = [
     "Float8Recipe",
     "Float8State",
     "MATMUL_PRIMITIVES",
+    "RANGE_PRIMITIVES",
     "autocast",
     "dot_general",
     "float8_state",

@@ -270,8 +270,9 @@ class _Call:
         gave it, so that a train step sees the same types on every call.
         """
         assert self.static_outs is not None
-        _, output = settings.dtypes(self.values)
-        traced = iter(zip(outs, output_kinds(closed.jaxpr, settings.rules), closed.out_avals))
+        compute, output = settings.dtypes(self.values)
+        kinds = output_kinds(closed.jaxpr, settings.rules.under(compute))
+        traced = iter(zip(outs, kinds, closed.out_avals))
         n_out = len(self.static_outs) - self.n_state
         everything = []
         for i, static in enumerate(self.static_outs):
@@ -370,7 +371,7 @@ def _evaluate(closed: ClosedJaxpr, settings: _Settings, values: Sequence[Any],
               slots: Optional[Slots] = None) -> list[Any]:
     compute, _ = settings.dtypes(values)
     rule = matmul if settings.recipe is None else float8_matmul(settings.recipe)
-    ctx = Context(compute, settings.rules, rule, float8_slots=slots)
+    ctx = Context(compute, settings.rules.under(compute), rule, float8_slots=slots)
     outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, values)
     _warn_unmatched(settings, ctx.unmatched_scopes())
     if settings.recipe is not None and not ctx.tallied(FLOAT8_PRODUCTS):

@@ -257,7 +257,9 @@ def _first_order(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
         return bind(eqn, [ctx.cast(x, join(dtype_of(x), F32)) if cls == "float32" else x
                           for x in invals])
     params = dict(eqn.params)
-    target = widest(invals, [getattr(v.aval, "weak_type", False) for v in eqn.invars])
+    target = widest(invals, [getattr(v.aval, "weak_type", False) for v in eqn.invars],
+                    [v.val if isinstance(v, Literal) and np.ndim(v.val) == 0 else None
+                     for v in eqn.invars])
     if cls == "float32":
         target = join(target, F32)
         if params.get("preferred_element_type") is not None:  # matrix work pinned to float32

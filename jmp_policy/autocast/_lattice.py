@@ -17,7 +17,7 @@ False
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -71,15 +71,38 @@ def join(a: DType, b: DType) -> DType:
         return F32 if max(a.itemsize, b.itemsize) <= 4 else np.dtype(np.float64)
 
 
-def widest(values: Sequence[Any], weak: Sequence[bool]) -> DType:
+def widest(values: Sequence[Any], weak: Sequence[bool],
+           constants: Optional[Sequence[Any]] = None) -> DType:
     """The join of the floating dtypes of ``values``, as JAX would promote them.
 
     Weakly typed values (Python scalars in ``fn``) do not widen strongly typed
-    ones: ``x * 2.0`` stays in ``x``'s dtype. At least one value must be floating.
+    ones: ``x * 2.0`` stays in ``x``'s dtype. Nor do scalar constants of ``fn``
+    (``constants[i]`` the value of a jaxpr literal, else ``None``) that the
+    result's dtype holds to within its rounding (finite and zero or normal, or
+    not finite): their dtype is the one ``fn`` was traced in (``jax.nn.gelu``
+    writes its coefficients in its input's dtype), float32 for float32
+    parameters, where the policy computes in half precision. A constant the
+    narrower dtype cannot hold (``-1e30`` under float16) widens as JAX's
+    promotion says. At least one value must be floating.
     """
-    strong = [dtype_of(x) for x, w in zip(values, weak) if is_floating(x) and not w]
-    dtypes = strong or [dtype_of(x) for x in values if is_floating(x)]
-    return functools.reduce(join, dtypes)
+    constants = constants if constants is not None else [None] * len(values)
+    floating = [(dtype_of(x), w, c) for x, w, c in zip(values, weak, constants)
+                if is_floating(x)]
+    deciding = [d for d, w, c in floating if not w and c is None]
+    if not deciding:  # only constants and Python scalars: JAX's promotion
+        deciding = [d for d, w, _ in floating if not w] or [d for d, _, _ in floating]
+        return functools.reduce(join, deciding)
+    target: DType = functools.reduce(join, deciding)
+    unheld = [d for d, w, c in floating if c is not None and not w and not holds(target, c)]
+    return functools.reduce(join, unheld, target)
+
+
+def holds(dtype: DType, value: Any) -> bool:
+    """Whether ``dtype`` holds the scalar ``value`` to within its rounding: ``value`` is
+    not finite, zero, or a normal number of ``dtype`` (neither overflows nor flushes)."""
+    v = abs(float(np.asarray(value, np.float64)))
+    info = jnp.finfo(dtype)  # type: ignore[no-untyped-call]
+    return not np.isfinite(v) or v == 0 or float(info.smallest_normal) <= v <= float(info.max)
 
 
 def struct(shape: Sequence[int], dtype: Any, weak_type: bool = False) -> jax.ShapeDtypeStruct:

@@ -31,6 +31,7 @@ import difflib
 import re
 from typing import Any, Collection, Literal, Mapping, Optional
 
+import jax.numpy as jnp
 from jax.extend.core import Primitive
 
 Class = Literal["matmul", "float32", "follow"]
@@ -49,7 +50,8 @@ FLOAT32_PRIMITIVES = frozenset({
     "rsqrt", "sqrt", "cbrt", "tan", "sinh", "cosh", "asin", "acos", "asinh", "acosh", "atanh",
     "lgamma", "digamma", "polygamma", "igamma", "igammac", "igamma_grad_a", "zeta",
     "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta", "random_gamma",
-    # Squares overflow float16 above 256: norms and variances start here.
+    # Squares overflow float16 above 256: norms and variances start here (float16 only:
+    # `RANGE_PRIMITIVES`).
     "square", "integer_pow",
     # Division overflows for small divisors; mean, softmax and normalisation end here.
     "div",
@@ -63,6 +65,11 @@ FLOAT32_PRIMITIVES = frozenset({
     "triangular_solve", "tridiagonal", "tridiagonal_solve", "geqrf", "geqp3",
     "householder_product", "ormqr", "symmetric_product", "fft",
 })
+
+RANGE_PRIMITIVES = frozenset({"square", "integer_pow"})
+"""The float32-class primitives that are there for float32's range alone: under a compute
+dtype with float32's exponent range (bfloat16) they follow their inputs instead, as in
+plain bfloat16 JAX (``jax.nn.gelu``'s ``x ** 3`` keeps a bfloat16 activation bfloat16)."""
 
 FOLLOW_PRIMITIVES = frozenset({
     # Elementwise.
@@ -131,10 +138,27 @@ class Rules:
 
     classes: Mapping[str, Class]
     float32_scopes: tuple[str, ...] = ()
+    listed: frozenset[str] = frozenset()
 
     def class_of(self, primitive: Primitive) -> Optional[Class]:
         """The class of ``primitive``; ``None`` for a primitive autocast does not know."""
         return self.classes.get(primitive.name)
+
+    def under(self, compute: Any) -> Rules:
+        """These rules for a policy computing in ``compute``: `RANGE_PRIMITIVES` follow
+        their inputs where ``compute`` has float32's exponent range, unless ``rules=``
+        listed them.
+
+        >>> import jax.numpy as jnp
+        >>> parse_rules(None).under(jnp.bfloat16).classes["integer_pow"]
+        'follow'
+        >>> parse_rules(None).under(jnp.float16).classes["integer_pow"]
+        'float32'
+        """
+        if jnp.finfo(compute).nexp < jnp.finfo(jnp.float32).nexp:  # type: ignore[no-untyped-call]
+            return self
+        moved: dict[str, Class] = {n: "follow" for n in RANGE_PRIMITIVES - self.listed if n in self.classes}
+        return dataclasses.replace(self, classes={**self.classes, **moved})
 
     def scopes_in(self, path: str) -> tuple[str, ...]:
         """The float32 scopes found in a name-scope path such as ``"model/block/attention"``.
@@ -210,7 +234,7 @@ def parse_rules(rules: Optional[Mapping[str, Any]],
                     f"rules[{cls!r}]: list it under one class only.")
     classes.update(listed)
     scopes = _as_list(rules.get("float32_scopes", ()), "rules['float32_scopes']")
-    return Rules(classes, tuple(_scope(s) for s in scopes))
+    return Rules(classes, tuple(_scope(s) for s in scopes), frozenset(listed))
 
 
 def _as_list(value: Any, what: str) -> list[Any]:
