@@ -328,16 +328,16 @@ def test_a_parameter_adds_to_the_h100_step_a_few_times_what_adam_adds(name):
 
 # --- d. memory traffic -------------------------------------------------------------------
 
-def _unfused_pred_results(text: str) -> Dict[str, tuple]:
-    """The ``pred`` arrays that kernels of an optimized module write (instructions outside
-    fusion bodies), by instruction: their shapes."""
+def _unfused_results(text: str, hlo_type: str) -> Dict[str, tuple]:
+    """The arrays of ``hlo_type`` (``"pred"``, ``"f32"``) that kernels of an optimized module
+    write (instructions outside fusion bodies), by instruction: their shapes."""
     fused = xla_gpu.harness.fused_computations(text)
     out = {}
     for i in xla_gpu.instructions(text):
         if i.computation in fused:
             continue
         shapes = [tuple(int(d) for d in dims.split(",") if d)
-                  for dims in re.findall(r"pred\[([\d,]*)\]", i.shape)]
+                  for dims in re.findall(rf"\b{hlo_type}\[([\d,]*)\]", i.shape)]
         if shapes:
             out[i.name] = tuple(shapes)
     return out
@@ -353,10 +353,32 @@ def test_quantizing_a_weight_writes_no_rounding_masks(kind):
     fn, args = _mlp_train_step(kind)
     text, _ = xla_gpu.compile_for_h100(fn, *args)
     weight_sizes = {math.prod(w.shape) for w in jax.tree.leaves(args[0]) if len(w.shape) == 2}
-    masks = {name: shapes for name, shapes in _unfused_pred_results(text).items()
+    masks = {name: shapes for name, shapes in _unfused_results(text, "pred").items()
              if any(math.prod(s) in weight_sizes for s in shapes)}
     FIGURES.setdefault("weight_sized_masks", {})[kind] = len(masks)
     assert not masks, masks
+
+
+@pytest.mark.parametrize("kind", [None, "tensorwise", "rowwise", "delayed"])
+def test_the_mlp_activation_and_its_gradient_are_never_written_in_float32(kind):
+    """gpu_fp8's MLP block train step (LayerNorm, ``jax.nn.gelu``, two products; AdamW) under
+    ``mixed_bfloat16``, bfloat16 and every float8 recipe, at a small size: no kernel
+    writes a float32 array of the hidden activation's size (``tokens x 4 d``): the GELU's
+    input, output, saved ``tanh`` and gradient stay bfloat16, as in plain bfloat16 JAX, and
+    each float8 cast reads them in bfloat16 (issue 36: before, ``x ** 3`` and the GELU's
+    float32 coefficients widened the chain, and every recipe wrote and read two float32
+    copies of that size, the largest tensors of the step)."""
+    bench = _gpu_fp8()
+    d, b, t = 256, 4, 256
+    p = jax.eval_shape(lambda: bench.mlp_params(d))
+    x = spec(b, t, d, dtype=jnp.bfloat16)
+    fn, args = bench.train_step(kind), (p, bench.init_state(kind, p, x), x, spec(b, t, d))
+    text, _ = xla_gpu.compile_for_h100(fn, *args, options={"xla_gpu_enable_triton_gemm": False})
+    hidden = {name: shapes for name, shapes in _unfused_results(text, "f32").items()
+              if any(math.prod(s) == b * t * 4 * d for s in shapes)}
+    FIGURES.setdefault("float32_hidden_writes", {})[str(kind)] = len(hidden)
+    assert not hidden, hidden
+    assert _unfused_results(text, "bf16"), "no bfloat16 kernel result: not the program meant"
 
 
 # --- e. collectives on eight GPUs ------------------------------------------------------
