@@ -241,23 +241,33 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
         return jnp.asarray(np.array([salt, _SEED_WORD], np.uint32)) \
             if recipe.stochastic_rounding else None
 
-    def forward(a: Any, b: Any, h: Optional[AmaxHistory],
-                rest: Sequence[Any]) -> tuple[Any, Any, Any, Any]:
+    def forward(a: Any, b: Any, h: Optional[AmaxHistory], rest: Sequence[Any],
+                saved: bool = False) -> tuple[Any, Any]:
+        """The product, and with ``saved`` what its backward pass keeps of the operands."""
         a = layout.masked(a, rest)
         qa = scheme.prepare(a, fmt["lhs"], fwd, 0, None, rest, *_of(h, "lhs"))
         qb = scheme.prepare(b, fmt["rhs"], fwd, 1, None, rest, *_of(h, "rhs"))
+        kept = None
+        if saved:
+            a_res = (scheme.keep(a, qa, fmt["lhs"], d_rhs, d_rhs.operands.index("lhs"), rest)
+                     if recipe.float8_weight_gradient else a)
+            b_res = scheme.keep(b, qb, fmt["rhs"], d_lhs, 1, rest)
+            if b_res is not qb:
+                # Quantized again for the backward contraction (rowwise, block scalings):
+                # made with the forward operand, or it waits for the backward pass and
+                # keeps the float32 weight alive past its update (XLA then copies a donated
+                # weight). Tying the left operand's too costs more than it saves (roofline).
+                qb, b_res = _made_together((qb, b_res))
+            kept = (a_res, b_res)
         out = scheme.contract(fwd, qa, qb, rest, fwd.result_sharding(a), gemm)
-        return _narrowed(out, compute), a, qa, qb
+        return _narrowed(out, compute), (kept, qa, qb)
 
     def product(a: Any, b: Any, h: Optional[AmaxHistory], *rest: Any) -> Any:
         return forward(a, b, h, rest)[0]
 
     def product_fwd(a: Any, b: Any, h: Optional[AmaxHistory],
                     *rest: Any) -> tuple[Any, tuple[Any, ...]]:
-        out, a, qa, qb = forward(a, b, h, rest)
-        a_res = (scheme.keep(a, qa, fmt["lhs"], d_rhs, d_rhs.operands.index("lhs"), rest)
-                 if recipe.float8_weight_gradient else a)
-        b_res = scheme.keep(b, qb, fmt["rhs"], d_lhs, 1, rest)
+        out, ((a_res, b_res), qa, qb) = forward(a, b, h, rest, saved=True)
         named = (checkpoint_name(a_res, QUANTIZED_LHS),  # type: ignore[no-untyped-call]
                  checkpoint_name(b_res, QUANTIZED_RHS))  # type: ignore[no-untyped-call]
         # Delayed scaling: the history (for the gradient's scale) and the maxima observed.
@@ -402,6 +412,17 @@ def _scope(eqn: JaxprEqn) -> str:
 
 _SEED_WORD = 0x5EED5A17
 """The second word of the backward roundings' seeds (the first tells the two apart)."""
+
+
+def _made_together(tree: Any) -> Any:
+    """``tree`` with its arrays behind one ``optimization_barrier``: XLA computes them all
+    before any is used (a scheme's prepared operand may hold dtypes too)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    tied = lax.optimization_barrier([leaves[i] for i in at])  # type: ignore[no-untyped-call]
+    for i, x in zip(at, tied):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def _of(history: Optional[AmaxHistory], name: str) -> tuple[Any, ...]:
