@@ -237,7 +237,7 @@ def role(k: Kernel) -> str:
     if k.opcode == "copy":
         return "copy"
     if op == "reduce_max" or (largest <= 1 << 16 and k.bytes > 1 << 24):
-        return "amax pass (also writes the f32 tensor it reduces)" if largest > 1 << 16 \
+        return "amax pass (also writes the tensor it reduces)" if largest > 1 << 16 \
             else "amax pass"
     if largest <= 1 << 16:
         return "scale arithmetic (tiny kernels)"
