@@ -16,7 +16,10 @@ nnx_bn_mlp     nnx        an MLP with ``nnx.BatchNorm`` (running statistics)
 eqx_vit        equinox    ViT (Dosovitskiy et al.): patches, class token, MHA
 =============  =========  ======================================================
 
-Sizes are small (two blocks, widths of 32) to keep the suite's compiles short.
+Sizes are small (widths of 32) to keep the suite's compiles short, which grow
+with the number of operations: the language models have one block (a padded,
+masked, tied-head decoder is there whole in one), the ViT two (tests pin one
+block's layer and not the other's) and the ResNet two stages (the second projects).
 
 Each entry of `MODELS` is a `RealModel`; `train` runs jitted optax steps on
 one fixed batch with any function that has the model's ``loss`` signature.
@@ -148,7 +151,7 @@ class LinenLM(nn.Module):
 
     vocab_size: int = VOCAB
     width: int = 32
-    num_layers: int = 2
+    num_layers: int = 1
     num_heads: int = 4
     mlp_dim: int = 64
     max_len: int = SEQ
@@ -329,7 +332,7 @@ class NNXDecoder(nnx.Module):
     in ``self.blocks`` (paths ``blocks/0/attn/q_proj``), a padding mask.
     """
 
-    def __init__(self, *, rngs, vocab_size=VOCAB, width=32, num_layers=2, num_heads=4,
+    def __init__(self, *, rngs, vocab_size=VOCAB, width=32, num_layers=1, num_heads=4,
                  num_kv_heads=2, head_dim=8, hidden=64, dropout_rate=0.1):
         self.embedder = nnx.Embed(vocab_size, width, rngs=rngs)
         self.blocks = nnx.List([
