@@ -239,12 +239,14 @@ def test_adam_trains_like_float32_on_a_regression(compile):
 def test_state_bytes_per_value():
     tx = quantize_state(optax.adam(1e-3))
     params = {"big": jnp.zeros((1024, 1024)), "small": jnp.zeros(100)}
-    state = tx.init(params)
+    # The state's shapes and dtypes are what is counted: traced, not computed (eagerly,
+    # quantizing 2**20 zeros compiles each of ~100 operations apart).
+    state = jax.eval_shape(tx.init, params)
     nbytes = _stored_bytes(state.inner_state)
     # Two moments of 2**20 values at 1 + 1/256 bytes each, the small ones in float32.
     assert nbytes == pytest.approx(2 * (2 ** 20 * (1 + 1 / 256) + 400) + 4, rel=1e-4)
     assert state.inner_state[0].mu["small"].dtype == jnp.float32
-    four = quantize_state(optax.adam(1e-3), bits=4).init(params).inner_state
+    four = jax.eval_shape(quantize_state(optax.adam(1e-3), bits=4).init, params).inner_state
     assert _stored_bytes(four) == pytest.approx(
         2 * (2 ** 20 * (0.5 + 1 / 32) + 400) + 4, rel=1e-4)
 
@@ -468,7 +470,7 @@ def test_any_optimizer_steps_like_its_float32_self(make, bits):
 def test_the_step_keeps_no_float32_copy_of_the_state(bits, rounding):
     tx = quantize_state(optax.adam(1e-3), bits=bits, rounding=rounding)
     params = {f"w{i}": jnp.zeros((256, 1024)) for i in range(4)}
-    state = tx.init(params)
+    state = jax.eval_shape(tx.init, params)  # compiled, not run: its shapes suffice
 
     def step(params, state, grads):
         updates, state = tx.update(grads, state, params)
