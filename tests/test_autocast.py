@@ -750,7 +750,7 @@ def test_transformer_block_precision_per_operation():
     for name in ("reduce_max", "exp", "reduce_sum", "div", "rsqrt"):
         assert [e for e in all_eqns if e.primitive.name == name]
         assert all(out_dtype(e) == F32 for e in all_eqns if e.primitive.name == name), name
-    out = f(p, x)
+    out = jax.jit(f)(p, x)  # the values under jit: eagerly, every operation compiles apart
     want = jax.jit(block)(p, x)
     assert out.dtype == F16
     rel = jnp.linalg.norm(out.astype(jnp.float32) - want) / jnp.linalg.norm(want)
@@ -760,7 +760,7 @@ def test_transformer_block_precision_per_operation():
     lf = autocast(loss_fn, "mixed_float16")
     log = [e for e in eqns(jax.make_jaxpr(lf)(p, tokens, y)) if e.primitive.name == "log"]
     assert log and all(out_dtype(e) == F32 for e in log)
-    close(lf(p, tokens, y), jax.jit(loss_fn)(p, tokens, y), rtol=1e-2, atol=0)
+    close(jax.jit(lf)(p, tokens, y), jax.jit(loss_fn)(p, tokens, y), rtol=1e-2, atol=0)
 
 
 def train(kind, steps=80, lr=3e-3):
@@ -786,7 +786,7 @@ def train(kind, steps=80, lr=3e-3):
     train_all = jax.jit(lambda p, s: lax.fori_loop(0, steps, step, (p, s)))
     params, state = train_all(params, tx.init(params))
     f32_params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
-    return float(loss_fn(f32_params, tokens, y))
+    return float(jax.jit(loss_fn)(f32_params, tokens, y))
 
 
 def test_training_80_steps_matches_float32_where_naive_float16_fails():
