@@ -5,9 +5,6 @@ decoder and BatchNorm MLP, Equinox ViT), in train mode, and the example
 transformer LM (``examples/transformer_lm.py``, default ``Config``). Per model,
 ``inspect_numerics(loss, "mixed_float16", argnums=0)``:
 
-The zoo's language models have one block since 2026-11-27 (they had two when the
-committed tables in ``benchmarks/results`` were measured; a run now measures one).
-
 * ``step``: a float32 train step's compile and first run (the model's loss,
   gradients and ``adam``, jitted by the framework's idiom), the baseline;
 * ``first call``, ``again``: the inspection's first call and a second one
@@ -20,6 +17,9 @@ committed tables in ``benchmarks/results`` were measured; a run now measures one
   relative error against float32 at the suggested scale and at the default
   dynamic scale's first one (2**15); for the example LM, loss and
   gradients of its own ``mixed_float16`` step.
+
+The zoo's language models have one block since 2026-11-27 (they had two when the
+committed tables in ``benchmarks/results`` were measured; a run now measures one).
 
 The script uses the public API only, so it measures an older checkout too
 (``PYTHONPATH=<old checkout> python benchmarks/bench_inspect_models.py``):
