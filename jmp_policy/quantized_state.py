@@ -203,6 +203,15 @@ def quantize_state(
         return jax.tree_util.tree_unflatten(treedef, [
             _quantized_unit(unit, code(path, unit), block_size, seed) for path, unit in units])
 
+    @jax.jit
+    def initially_quantized(inner_state: Any) -> Any:
+        # One program: called eagerly, as optax's init usually is, each of the
+        # quantization's operations would compile apart (seconds per leaf shape).
+        # The initial state is usually constant (zeros): behind the barrier, XLA
+        # does not fold its quantization at compile time, which takes seconds.
+        inner_state = jax.lax.optimization_barrier(inner_state)  # type: ignore[no-untyped-call]
+        return quantized(inner_state, None)
+
     def init_fn(params: optax.Params) -> QuantizedState:
         inner_state = inner.init(params)
         _refuse_inner_loss_scaling("quantize_state", inner_state)
@@ -212,10 +221,7 @@ def quantize_state(
         _check_some_quantized(inner_state, allowed, block_size, min_size)
         if user_nonnegative:
             _check_rules(inner_state, positive, block_size, min_size, "nonnegative")
-        # The initial state is usually constant (zeros): behind the barrier, XLA
-        # does not fold its quantization at compile time, which takes seconds.
-        inner_state = jax.lax.optimization_barrier(inner_state)  # type: ignore[no-untyped-call]
-        return QuantizedState(quantized(inner_state, None), key)
+        return QuantizedState(initially_quantized(inner_state), key)
 
     def update_fn(grads: optax.Updates, state: QuantizedState,
                   params: Optional[optax.Params] = None,
