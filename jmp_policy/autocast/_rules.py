@@ -134,6 +134,8 @@ class Rules:
       classes: primitive name -> its class.
       float32_scopes: the scopes pinned to float32, as the user wrote them
         (``"block/attention"``).
+      listed: the primitives ``rules=`` put in a class: they keep it under every
+        policy (see `under`).
     """
 
     classes: Mapping[str, Class]
