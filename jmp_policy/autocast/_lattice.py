@@ -59,6 +59,14 @@ def represents(wide: DType, narrow: DType) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def has_float32_range(dtype: Any) -> bool:
+    """Whether ``dtype`` reaches float32's largest values (bfloat16 does, float16 does not):
+    what overflows float16 does not overflow it."""
+    info, f32 = jnp.finfo(dtype), jnp.finfo(F32)  # type: ignore[no-untyped-call]
+    return int(info.maxexp) >= int(f32.maxexp)
+
+
+@functools.lru_cache(maxsize=None)
 def join(a: DType, b: DType) -> DType:
     """The narrowest floating dtype that represents both ``a`` and ``b``."""
     if represents(a, b):

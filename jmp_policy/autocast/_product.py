@@ -70,7 +70,8 @@ from jmp_policy.autocast import _sharding
 from jmp_policy.autocast._delayed import AmaxHistory, observation
 from jmp_policy.autocast._fp8 import RAGGED, WEIGHT_GRADIENT, Float8Recipe, in_groups, ragged_dims
 from jmp_policy.autocast._interpreter import bind
-from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, represents
+from jmp_policy.autocast._lattice import (
+    F32, DType, convert, dtype_of, has_float32_range, represents)
 
 Name = Literal["lhs", "rhs", "g"]
 
@@ -387,8 +388,7 @@ def _gemm_dtype(compute: DType) -> DType:
     has float32's range (bfloat16: the GEMM writes half the bytes of float32, and a
     ``jax.checkpoint`` dot policy saves that), else float32 (float8 operands scaled to
     their format's maximum multiply to far beyond float16's)."""
-    f32, fmt = jnp.finfo(F32), jnp.finfo(compute)  # type: ignore[no-untyped-call]
-    return compute if int(fmt.maxexp) >= int(f32.maxexp) else F32
+    return compute if has_float32_range(compute) else F32
 
 
 def _narrowed(out: jax.Array, compute: DType) -> Any:

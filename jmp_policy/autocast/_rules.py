@@ -31,8 +31,9 @@ import difflib
 import re
 from typing import Any, Collection, Literal, Mapping, Optional
 
-import jax.numpy as jnp
 from jax.extend.core import Primitive
+
+from jmp_policy.autocast._lattice import has_float32_range
 
 Class = Literal["matmul", "float32", "follow"]
 
@@ -157,7 +158,7 @@ class Rules:
         >>> parse_rules(None).under(jnp.float16).classes["integer_pow"]
         'float32'
         """
-        if jnp.finfo(compute).nexp < jnp.finfo(jnp.float32).nexp:  # type: ignore[no-untyped-call]
+        if not has_float32_range(compute):
             return self
         moved: dict[str, Class] = {n: "follow" for n in RANGE_PRIMITIVES - self.listed if n in self.classes}
         return dataclasses.replace(self, classes={**self.classes, **moved})
