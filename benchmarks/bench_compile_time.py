@@ -40,6 +40,11 @@ repository root; ~25 min per round on 2 busy CPU cores)::
         --gpu-python /tmp/gpuvenv/bin/python
     python benchmarks/bench_compile_time.py --quick          # 24 leaves, CPU only, 1 rep
 
+``--train-step`` compiles what a user compiles instead: the gradient of a
+transformer's loss over those leaves (pre-RMSNorm attention and GELU MLP blocks,
+unrolled, ``--tokens`` tokens) followed by the optimizer step, so the ratio is that of
+the whole train step, the model's own compile included.
+
 JSON to ``benchmarks/results/bench_compile_time.json``.
 """
 
@@ -89,13 +94,33 @@ def shapes(layers: int, d: int) -> Dict[str, tuple]:
     return out
 
 
-def worker(target: str, layers: int, d: int, reps: int) -> Dict[str, Any]:
-    """Measures every recipe on ``target`` in this process (its library, its XLA flags)."""
+def transformer_loss(params: Dict[str, Any], x: Any) -> Any:
+    """A loss of the transformer whose leaves `shapes` lists (8 heads per layer)."""
+    import jax
+    import jax.numpy as jnp
+
+    h, layers = x, len(params) // 6
+    t, d = x.shape
+    for i in range(layers):
+        p = {k.split(".", 1)[1]: v.astype(x.dtype) for k, v in params.items()
+             if k.startswith(f"l{i}.")}
+        y = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * p["ln"]
+        q, k, v = (a.reshape(t, 8, d // 8) for a in jnp.split(y @ p["qkv"], 3, -1))
+        weights = jax.nn.softmax(jnp.einsum("thd,shd->hts", q, k) * (d // 8) ** -0.5)
+        h = h + jnp.einsum("hts,shd->thd", weights, v).reshape(t, d) @ p["proj"]
+        h = h + jax.nn.gelu(h @ p["up"] + p["up_bias"]) @ p["down"]
+    return jnp.mean(h * h)
+
+
+def worker(target: str, layers: int, d: int, reps: int, tokens: int = 0) -> Dict[str, Any]:
+    """Measures every recipe on ``target`` in this process (its library, its XLA flags);
+    with ``tokens``, the train step of a transformer on that many tokens."""
     if target == "h100":
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     import contextlib
 
     import jax
+    import jax.numpy as jnp
     import optax
 
     import harness
@@ -116,10 +141,14 @@ def worker(target: str, layers: int, d: int, reps: int) -> Dict[str, Any]:
                 jax.eval_shape(tx.init, params))
 
             def step(params: Any, state: Any, grads: Any, tx: Any = tx) -> Any:
+                if tokens:  # ``grads`` is the batch
+                    grads = jax.grad(transformer_loss)(params, grads)
                 updates, state = tx.update(grads, state, params)
                 return optax.apply_updates(params, updates), state
 
-            steps[recipe][count] = (step, (params, state, params), len(leaves))
+            batch = (jax.ShapeDtypeStruct((tokens, d), jnp.float32, sharding=sharding)
+                     if tokens else params)
+            steps[recipe][count] = (step, (params, state, batch), len(leaves))
     # A deviceless compile cannot lower the host callback of low_precision_params' misuse
     # check: there, it is zeros computed on the device (harness.callbacks_on_device).
     on_device = harness.callbacks_on_device if target == "h100" else contextlib.nullcontext
@@ -170,7 +199,8 @@ def run_worker(python: str, library: str, target: str, args: Any) -> Dict[str, A
     if target != "h100":
         env["JAX_PLATFORMS"] = "cpu"
     command = [python, os.path.abspath(__file__), "--worker", target, "--layers", str(args.layers),
-               "--d", str(args.d), "--reps", str(args.reps)]
+               "--d", str(args.d), "--reps", str(args.reps),
+               "--tokens", str(args.tokens if args.train_step else 0)]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(f"{target} ({library}): {proc.stderr[-2000:]}")
@@ -192,11 +222,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--gpu-python", default=sys.executable,
                         help="a Python with JAX's CUDA plugin, for the h100 target")
     parser.add_argument("--quick", action="store_true", help="4 layers, CPU, 1 rep")
+    parser.add_argument("--train-step", action="store_true",
+                        help="compile a transformer's train step (its gradient, then the "
+                        "optimizer step), not the optimizer step alone")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens of --train-step")
     parser.add_argument("--json")
     parser.add_argument("--worker", choices=TARGETS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.layers, args.d, args.reps)))
+        print(json.dumps(worker(args.worker, args.layers, args.d, args.reps, args.tokens)))
         return 0
     if args.quick:
         args.layers, args.reps, args.targets = 4, 1, "cpu"
@@ -229,8 +263,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 harness.Column(f"{target} {version} leaf x", "per leaf, x Adam's HLO", "x",
                                ratio=False)]
     summary = report.table(
-        "summary", "Compile time of the optimizer step (fastest of the reps) and its ratio "
-        "to Adam's, before and after", baseline=None, columns=columns,
+        "summary", f"Compile time of the {'train' if args.train_step else 'optimizer'} step "
+        "(fastest of the reps) and its ratio to Adam's, before and after", baseline=None,
+        columns=columns,
         description=f"{first['parameters'] / 1e6:.1f}M parameters in "
                     f"{first['rows']['adam']['leaves']} leaves")
     for recipe in RECIPES:
