@@ -4,12 +4,13 @@
     python examples/equinox_vit.py --steps 50 --out /tmp/eqx_vit
 
 A ViT (patches of 2x2 pixels, a class token, two pre-LayerNorm encoder blocks
-of ``eqx.nn.MultiheadAttention`` and a GELU MLP, a ``head`` classifier) on
-scikit-learn's 8x8 handwritten digits, trained in float32, mixed_bfloat16 and
-mixed_float16 with dynamic loss scaling. The model is plain Equinox code with
-float32 parameters and no dtype arguments: ``jmp_policy.autocast`` runs its
-products in the policy's compute dtype (accumulating in float32) and keeps
-LayerNorm, the attention softmax and the loss in float32. The train step is
+(``--depth``) of ``eqx.nn.MultiheadAttention`` and a GELU MLP, a ``head``
+classifier) on scikit-learn's 8x8 handwritten digits, trained in float32,
+mixed_bfloat16 and mixed_float16 with dynamic loss scaling. The model is plain
+Equinox code with float32 parameters and no dtype arguments:
+``jmp_policy.autocast`` runs its products in the policy's compute dtype
+(accumulating in float32) and keeps LayerNorm, the attention softmax and the
+loss in float32. The train step is
 ``eqx.filter_jit``-ed; the optimizer is ``optax.adam`` with a cosine-decayed
 learning rate, wrapped in ``jmp_policy.loss_scaling`` (the policy's own loss
 scale: dynamic for float16, none for bfloat16 and float32), and the
@@ -144,7 +145,8 @@ def _describe(loss_scale: Any) -> str:
 
 def train(policy: Any, *, steps: int = 600, seed: int = 0, batch_size: int = 64,
           learning_rate: float = 3e-3, data=None, progress: bool = False,
-          loss_scale_period: int = 2000, eval_every: int = 0) -> Dict[str, Any]:
+          loss_scale_period: int = 2000, eval_every: int = 0,
+          depth: int = 2) -> Dict[str, Any]:
     """Trains the ViT under ``policy``; returns metrics and per-step curves."""
     policy = jmp_policy.Policy(policy)
     x_train, x_test, y_train, y_test = data if data is not None else load_data(seed)
@@ -166,7 +168,7 @@ def train(policy: Any, *, steps: int = 600, seed: int = 0, batch_size: int = 64,
         logits = jax.vmap(jmp_policy.autocast(model, policy))(x)
         return jnp.mean(jnp.argmax(logits, -1) == y)
 
-    model = eqx.filter_jit(ViT)(key=jax.random.key(seed))
+    model = eqx.filter_jit(ViT)(key=jax.random.key(seed), depth=depth)
     opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
     loss_scale = jmp_policy.get_loss_scale(opt_state)
     initial_loss_scale = float(loss_scale.loss_scale)
@@ -250,11 +252,13 @@ def main(argv=None) -> None:
                              "default: 2000; short here so that the plot shows the schedule)")
     parser.add_argument("--eval-every", type=int, default=25,
                         help="measure test accuracy every that many steps")
+    parser.add_argument("--depth", type=int, default=2, help="encoder blocks")
     args = parser.parse_args(argv)
 
     data = load_data(args.seed)
     results = [train(p, steps=args.steps, seed=args.seed, data=data, progress=True,
-                     loss_scale_period=args.loss_scale_period, eval_every=args.eval_every)
+                     loss_scale_period=args.loss_scale_period, eval_every=args.eval_every,
+                     depth=args.depth)
                for p in args.policies]
     print()
     print(table(results))
