@@ -501,7 +501,9 @@ def test_sharded_jit_and_shard_map_observe_the_global_maxima():
     """Data-parallel on 4 host devices (a subprocess): the operands' maxima are over the
     whole batch, as on one device, under jit's partitioner (auto and explicit axes) and
     inside shard_map (a maximum over the devices, not a sum)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    # The suite's XLA flags (tests/conftest.py: fast compilation) and 4 host devices.
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + " --xla_force_host_platform_device_count=4")
     result = subprocess.run([sys.executable, "-c", _SHARDED], capture_output=True, text=True,
                             env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
