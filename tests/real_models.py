@@ -17,9 +17,10 @@ eqx_vit        equinox    ViT (Dosovitskiy et al.): patches, class token, MHA
 =============  =========  ======================================================
 
 Sizes are small (widths of 32) to keep the suite's compiles short, which grow
-with the number of operations: the language models have one block (a padded,
-masked, tied-head decoder is there whole in one), the ViT two (tests pin one
-block's layer and not the other's) and the ResNet two stages (the second projects).
+with the number of operations: the language models and the ViT have one block
+(a padded, masked, tied-head decoder, or an encoder block, is there whole in
+one; ``ViT(depth=2)`` builds the two blocks that a test pinning one block's layer
+and not the other's needs) and the ResNet two stages (the second projects).
 
 Each entry of `MODELS` is a `RealModel`; `train` runs jitted optax steps on
 one fixed batch with any function that has the model's ``loss`` signature.
@@ -457,7 +458,7 @@ class ViT(eqx.Module):
     norm: eqx.nn.LayerNorm
     head: eqx.nn.Linear
 
-    def __init__(self, *, key, image_size=16, channels=3, patch_size=4, width=32, depth=2,
+    def __init__(self, *, key, image_size=16, channels=3, patch_size=4, width=32, depth=1,
                  num_heads=4, hidden=64, num_classes=10, dropout_rate=0.1):
         k_patch, k_cls, k_pos, k_head, *k_blocks = jax.random.split(key, 4 + depth)
         num_patches = (image_size // patch_size) ** 2

@@ -260,7 +260,9 @@ def test_nnx_and_equinox_operations_are_named_by_module_path():
     assert "NNXDecoder/blocks/0/attn/q_proj" in scopes
     assert "NNXDecoder/embedder.attend" in scopes
     vit = rm.MODELS["eqx_vit"]
-    module, batch = vit.init(jax.random.key(0)), vit.batch(jax.random.key(1))
+    # Two blocks (the zoo's ViT has one): a scope pins one block's layer, not the other's.
+    module = eqx.filter_jit(lambda key: rm.ViT(key=key, depth=2))(jax.random.key(0))
+    batch = vit.batch(jax.random.key(1))
     g = jmp_policy.autocast(lambda m, b: vit.loss(m, b, jax.random.key(2), False)[0],
                             "mixed_bfloat16")
     # Equinox names its own scope inside each layer: ViT/head/eqx.nn.Linear (JAX's
