@@ -49,29 +49,43 @@ def evaluate_all(name):
     return evaluate(name, variants(rm.MODELS[name]))
 
 
-def evaluate(name, losses, compile=jax.jit):
+def evaluate(name, losses, compile=jax.jit, scales=None):
     """``((loss, aux), grads)`` of each of ``losses`` (the model's loss signature), train
     mode, in one program compiled with ``compile`` (Equinox's: ``eqx.filter_jit``).
 
     Every loss sees the same dropout masks: linen and Equinox from the same
     key, NNX from a fresh module merged from the same state (its own Rngs).
+
+    With ``scales`` (a list of floats), each of ``losses`` is ``scale -> loss``, given
+    the scale as a traced float32 scalar: the one program runs once per scale, and the
+    results come as a list, in the order of ``scales``.
     """
     model = rm.MODELS[name]
     k_init, k_batch, k_drop = jax.random.split(jax.random.key(0), 3)
     state, batch = model.init(k_init), model.batch(k_batch)
-    grads = {k: model.value_and_grad(f) for k, f in losses.items()}
+
+    def grads(scale):
+        fns = losses if scale is None else {k: f(scale) for k, f in losses.items()}
+        return {k: model.value_and_grad(f) for k, f in fns.items()}
+
     if model.framework == "linen":
         params, rest = state["params"], {k: v for k, v in state.items() if k != "params"}
-        program = compile(lambda p, r, b, k: {n: g(p, r, b, k, True) for n, g in grads.items()})
-        return program(params, rest, batch, k_drop)
-    if model.framework == "nnx":
+        program = compile(lambda p, r, b, k, s: {n: g(p, r, b, k, True)
+                                                 for n, g in grads(s).items()})
+        args = (params, rest, batch, k_drop)
+    elif model.framework == "nnx":
         graphdef, nnx_state = nnx.split(state)
         # copy=True: each variant's module gets its own variables (RNG counters included).
-        program = compile(lambda st, b: {n: g(nnx.merge(graphdef, st, copy=True), b, True)
-                                         for n, g in grads.items()})
-        return program(nnx_state, batch)
-    program = eqx.filter_jit(lambda m, b, k: {n: g(m, b, k, True) for n, g in grads.items()})
-    return program(state, batch, k_drop)
+        program = compile(lambda st, b, s: {n: g(nnx.merge(graphdef, st, copy=True), b, True)
+                                            for n, g in grads(s).items()})
+        args = (nnx_state, batch)
+    else:
+        program = eqx.filter_jit(lambda m, b, k, s: {n: g(m, b, k, True)
+                                                     for n, g in grads(s).items()})
+        args = (state, batch, k_drop)
+    if scales is None:
+        return program(*args, None)
+    return [program(*args, jnp.float32(s)) for s in scales]
 
 
 def float_leaves(tree):
