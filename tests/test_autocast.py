@@ -178,7 +178,7 @@ def test_softmax_logsumexp_layernorm_cross_entropy_are_float32():
     for eqn in eqns(jax.make_jaxpr(f)(x)):
         if eqn.primitive.name in ("exp", "log", "div", "reduce_sum", "rsqrt"):
             assert all(d == F32 for d in in_dtypes(eqn)), eqn
-    for got, want in zip(f(x), fn(x.astype(jnp.float32))):
+    for got, want in zip(f(x), jax.jit(fn)(x.astype(jnp.float32))):
         assert got.dtype == F32  # each ends in float32-class primitives
         close(got, want, rtol=5e-3, atol=5e-3)
 
@@ -455,8 +455,9 @@ def test_custom_vjp_uses_the_users_backward_rule():
     w, x = rng(4, 4), rng(3, 4, seed=1)
     g = jax.grad(autocast(loss, "mixed_float16"))(w, x)
     assert g.dtype == F32
-    close(g, jax.grad(loss)(w, x), rtol=2e-2, atol=2e-2)
-    assert not np.allclose(jax.grad(lambda w, x: jnp.sum((x @ w) ** 2))(w, x), g, atol=1e-2)
+    close(g, jax.jit(jax.grad(loss))(w, x), rtol=2e-2, atol=2e-2)
+    assert not np.allclose(jax.jit(jax.grad(lambda w, x: jnp.sum((x @ w) ** 2)))(w, x), g,
+                           atol=1e-2)
 
 
 def test_custom_vjp_with_forwarded_residuals_and_custom_jvp_with_int_argument():
@@ -473,7 +474,7 @@ def test_custom_vjp_with_forwarded_residuals_and_custom_jvp_with_int_argument():
     loss = lambda x, w: jnp.sum(f(x, w) ** 2)
     x, w = jnp.full((3, 4), 0.3), jnp.full((4, 2), 0.2)
     got = jax.grad(autocast(loss, "mixed_float16"), (0, 1))(x, w)
-    want = jax.grad(loss, (0, 1))(x, w)
+    want = jax.jit(jax.grad(loss, (0, 1)))(x, w)
     for g, r in zip(got, want):
         assert g.dtype == F32
         close(g, r, rtol=2e-2, atol=2e-3)
@@ -536,9 +537,11 @@ def test_loop_inside_shard_map_keeps_its_carry_varying():
                           mesh=mesh, in_specs=(None, spec), out_specs=spec)
     ws, x = rng(2, 8, 8, scale=0.3), rng(4, 8, seed=1)
     f = autocast(stack, "mixed_bfloat16")
-    close(jax.jit(f)(ws, x), stack(ws, x), rtol=5e-2, atol=5e-2)
+    # The float32 references in one program (eagerly, each operation compiles apart).
+    value, grad = jax.jit(lambda ws: (stack(ws, x), jax.grad(lambda ws: stack(ws, x).sum())(ws)))(ws)
+    close(jax.jit(f)(ws, x), value, rtol=5e-2, atol=5e-2)
     g = jax.jit(jax.grad(lambda ws: f(ws, x).astype(jnp.float32).sum()))(ws)
-    close(g, jax.grad(lambda ws: stack(ws, x).sum())(ws), rtol=5e-2, atol=5e-2)
+    close(g, grad, rtol=5e-2, atol=5e-2)
 
 
 def test_scan_carry_gets_a_stable_dtype():
@@ -589,13 +592,16 @@ def test_composes_with_jit_grad_vmap_jvp():
     w, x = rng(4, 4), rng(5, 4, seed=1)
     fn = lambda w, x: jnp.sum(jax.nn.gelu(x @ w) ** 2)
     f = autocast(fn, "mixed_float16")
-    close(jax.jit(f)(w, x), fn(w, x), rtol=2e-2)
-    close(jax.jit(jax.grad(f))(w, x), jax.grad(fn)(w, x), rtol=3e-2, atol=3e-2)
+    # The float32 references in one program (eagerly, each operation compiles apart).
+    value, grad, rows, want = jax.jit(lambda w, x: (
+        fn(w, x), jax.grad(fn)(w, x), jax.vmap(fn, in_axes=(None, 0))(w, x[:, None]),
+        jax.jvp(lambda w: fn(w, x), (w,), (jnp.ones_like(w),))))(w, x)
+    close(jax.jit(f)(w, x), value, rtol=2e-2)
+    close(jax.jit(jax.grad(f))(w, x), grad, rtol=3e-2, atol=3e-2)
     per_row = jax.vmap(f, in_axes=(None, 0))(w, x[:, None])
     assert per_row.shape == (5,) and per_row.dtype == F32  # a sum: float32
-    close(per_row, jax.vmap(fn, in_axes=(None, 0))(w, x[:, None]), rtol=2e-2)
+    close(per_row, rows, rtol=2e-2)
     primal, tangent = jax.jvp(lambda w: f(w, x), (w,), (jnp.ones_like(w),))
-    want = jax.jvp(lambda w: fn(w, x), (w,), (jnp.ones_like(w),))
     close(primal, want[0], rtol=2e-2), close(tangent, want[1], rtol=3e-2)
 
 
@@ -656,13 +662,13 @@ def test_flax_linen_apply():
             return nn.Dense(3)(nn.gelu(x))
 
     model, x = MLP(), rng(4, 8)
-    variables = model.init(jax.random.key(0), x)
+    variables = jax.jit(model.init)(jax.random.key(0), x)  # eagerly, ~25 programs
     f = autocast(model.apply, "mixed_float16")
     dots = find(f, variables, x, name="dot_general")
     assert len(dots) == 2 and all(in_dtypes(d) == [F16, F16] for d in dots)
     out = f(variables, x)
     assert out.dtype == F16
-    close(out, model.apply(variables, x))
+    close(out, jax.jit(model.apply)(variables, x))
     # Linen names a scope after each submodule: pin the output layer to float32.
     pinned = autocast(model.apply, "mixed_float16", rules={"float32_scopes": ["Dense_1"]})
     dots = find(pinned, variables, x, name="dot_general")
