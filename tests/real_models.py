@@ -529,7 +529,7 @@ def train_linen(model: RealModel, loss_fn, steps: int, tx: optax.GradientTransfo
         rest = {k: aux.get(k, v) for k, v in rest.items()}
         return optax.apply_updates(params, updates), rest, opt_state, loss
 
-    opt_state, losses = tx.init(params), []
+    opt_state, losses = jax.jit(tx.init)(params), []  # eagerly, a program per leaf shape
     for i in range(steps):
         key = jax.random.fold_in(key_dropout, i)
         params, rest, opt_state, loss = step(params, rest, opt_state, batch, key)
@@ -568,7 +568,7 @@ def train_eqx(model: RealModel, loss_fn, steps: int, tx: optax.GradientTransform
         updates, opt_state = tx.update(grads, opt_state, eqx.filter(module, eqx.is_inexact_array))
         return eqx.apply_updates(module, updates), opt_state, loss
 
-    opt_state, losses = tx.init(eqx.filter(module, eqx.is_inexact_array)), []
+    opt_state, losses = jax.jit(tx.init)(eqx.filter(module, eqx.is_inexact_array)), []
     for i in range(steps):
         module, opt_state, loss = step(module, opt_state, batch, jax.random.fold_in(key_dropout, i))
         losses.append(float(loss))

@@ -163,7 +163,7 @@ def _train_linen(model, loss_fn, tx, steps):
         rest = {k: aux.get(k, v) for k, v in rest.items()}
         return optax.apply_updates(params, updates), rest, opt_state, loss
 
-    opt_state, losses = tx.init(params), []
+    opt_state, losses = jax.jit(tx.init)(params), []  # eagerly, a program per leaf shape
     for i in range(steps):
         params, rest, opt_state, loss = step(params, rest, opt_state, jax.random.fold_in(k_drop, i))
         losses.append(float(loss))
@@ -199,7 +199,7 @@ def _train_eqx(model, loss_fn, tx, steps):
         updates, opt_state = tx.update(grads, opt_state, eqx.filter(module, eqx.is_inexact_array))
         return eqx.apply_updates(module, updates), opt_state, loss
 
-    opt_state, losses = tx.init(eqx.filter(module, eqx.is_inexact_array)), []
+    opt_state, losses = jax.jit(tx.init)(eqx.filter(module, eqx.is_inexact_array)), []
     for i in range(steps):
         module, opt_state, loss = step(module, opt_state, jax.random.fold_in(k_drop, i))
         losses.append(float(loss))
