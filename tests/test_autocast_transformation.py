@@ -261,7 +261,8 @@ def test_nnx_and_equinox_operations_are_named_by_module_path():
     assert "NNXDecoder/embedder.attend" in scopes
     vit = rm.MODELS["eqx_vit"]
     # Two blocks (the zoo's ViT has one): a scope pins one block's layer, not the other's.
-    module = eqx.filter_jit(lambda key: rm.ViT(key=key, depth=2))(jax.random.key(0))
+    # Shapes only: products() traces, and compiling the initializers would take longer.
+    module = eqx.filter_eval_shape(lambda key: rm.ViT(key=key, depth=2), jax.random.key(0))
     batch = vit.batch(jax.random.key(1))
     g = jmp_policy.autocast(lambda m, b: vit.loss(m, b, jax.random.key(2), False)[0],
                             "mixed_bfloat16")
