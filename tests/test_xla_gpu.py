@@ -406,6 +406,28 @@ def test_a_train_step_copies_no_weight(kind):
     assert not copies, copies
 
 
+@pytest.mark.parametrize("kind", ["tensorwise", "rowwise", "delayed"])
+def test_each_float8_weight_is_transposed_once(kind):
+    """`_mlp_train_step` at gpu_fp8's size: the float8 GEMMs take a weight contraction-major
+    in the forward product and in the backward one, two layouts, so one transposing
+    kernel per weight writes its float8 values (XLA:GPU names such kernels
+    ``*transpose*``). Left to itself, XLA cast each weight in the forward GEMM's layout
+    (reading the float32 weight transposed) and transposed the float8 values back: two
+    per weight (benchmarks/results/roofline_layout_2026-11-28.md)."""
+    fn, args = _mlp_train_step(kind)
+    traced = jax.jit(fn, donate_argnums=(0, 1)).trace(*xla_gpu.on_h100(args))
+    text, _ = xla_gpu.compile_traced(traced, {"xla_gpu_enable_triton_gemm": False})
+    weights = [math.prod(w.shape) for w in jax.tree.leaves(args[0]) if len(w.shape) == 2]
+    fused = xla_gpu.harness.fused_computations(text)
+    transposing = [
+        i.name for i in xla_gpu.instructions(text)
+        if i.computation not in fused and "transpose" in i.name
+        and any(math.prod(int(d) for d in dims.split(",") if d) in weights
+                for dims in re.findall(r"\bf8e\w+\[([\d,]*)\]", i.shape))]
+    FIGURES.setdefault("weight_transposes", {})[kind] = len(transposing)
+    assert len(transposing) == len(weights), transposing
+
+
 # --- e. collectives on eight GPUs ------------------------------------------------------
 
 SHARDED_OPTIMIZERS = {  # name: (optimizer, parameters' and gradients' dtypes)
