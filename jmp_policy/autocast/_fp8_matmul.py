@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import layout as xla_layout
 from jax.extend.core import JaxprEqn
 from jax.sharding import NamedSharding
 
@@ -107,15 +108,19 @@ class Float8:
         if isinstance(x, tuple):  # quantized already
             return x
         power_of_two = self.recipe.power_of_two_scales
+        q: tuple[jax.Array, ...]
         if history is not None:
-            return quantize_delayed(x, dtype, history, self.recipe.amax_reduction,
-                                    power_of_two=power_of_two, seed=seed)
-        if c.grouped and self.recipe.scaling == "rowwise":
+            q = quantize_delayed(x, dtype, history, self.recipe.amax_reduction,
+                                 power_of_two=power_of_two, seed=seed)
+        elif c.grouped and self.recipe.scaling == "rowwise":
             sizes = rest[0]
-            return quantize_groups(x, dtype, group_ids(sizes, jnp.shape(x)[0]),
-                                   jnp.shape(sizes)[0], power_of_two=power_of_two, seed=seed)
-        return quantize(x, dtype, self.recipe.scaling, c.axes[position],
-                        power_of_two=power_of_two, seed=seed)
+            q = quantize_groups(x, dtype, group_ids(sizes, jnp.shape(x)[0]),
+                                jnp.shape(sizes)[0], power_of_two=power_of_two, seed=seed)
+        else:
+            q = quantize(x, dtype, self.recipe.scaling, c.axes[position],
+                         power_of_two=power_of_two, seed=seed)
+        forward_rhs = c.eqn is not None and position == 1  # the weight of ``x @ w``
+        return (_in_own_layout(q[0]), *q[1:]) if forward_rhs else q
 
     def keep(self, x: Any, prepared: Any, dtype: DType, c: Contraction, position: int,
              rest: Sequence[Any]) -> Any:
@@ -141,6 +146,32 @@ class Float8:
 
 
 # --- Rescaling ---------------------------------------------------------------------------------
+
+def _in_own_layout(values: jax.Array) -> jax.Array:
+    """Float8 ``values`` laid out as the array they quantize (row-major), on GPUs.
+
+    XLA:GPU's float8 GEMMs take both operands contraction-major, so the forward and the
+    backward product want a weight's float8 values in transposed layouts. Left to
+    itself, XLA writes the cast in the forward GEMM's layout, reading the float32
+    weight transposed, and transposes the float8 copy back for the backward GEMM: two
+    transposing kernels. Pinned row-major, the cast is a plain elementwise kernel and
+    only the float8 copy is transposed, or both layouts come from one kernel
+    (benchmarks/results/roofline_layout_2026-11-28.md).
+    """
+    if values.ndim < 2:
+        return values
+    row_major = xla_layout.Layout(tuple(range(values.ndim)))
+
+    def pin(v: jax.Array) -> jax.Array:
+        out: jax.Array = xla_layout.with_layout_constraint(  # type: ignore[no-untyped-call]
+            v, row_major)
+        return out
+
+    # Only on GPUs: XLA:CPU lays arrays out row-major anyway, and a TPU's are tiled.
+    pinned: jax.Array = lax.platform_dependent(values, cuda=pin, rocm=pin,
+                                               default=lambda v: v)
+    return pinned
+
 
 def _to_output(scale: jax.Array, contract: Sequence[int], batch: Sequence[int],
                free: Sequence[int], out_free: Sequence[int], out_shape: Sequence[int],

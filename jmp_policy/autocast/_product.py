@@ -59,7 +59,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.experimental import layout as xla_layout
 from jax.extend.core import JaxprEqn
 from jax.interpreters import ad, partial_eval as pe
 
@@ -248,7 +247,7 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
         """The product, and with ``saved`` what its backward pass keeps of the operands."""
         a = layout.masked(a, rest)
         qa = scheme.prepare(a, fmt["lhs"], fwd, 0, None, rest, *_of(h, "lhs"))
-        qb = _in_own_layout(scheme.prepare(b, fmt["rhs"], fwd, 1, None, rest, *_of(h, "rhs")))
+        qb = scheme.prepare(b, fmt["rhs"], fwd, 1, None, rest, *_of(h, "rhs"))
         kept = None
         if saved:
             a_res = (scheme.keep(a, qa, fmt["lhs"], d_rhs, d_rhs.operands.index("lhs"), rest)
@@ -413,34 +412,6 @@ def _scope(eqn: JaxprEqn) -> str:
 
 _SEED_WORD = 0x5EED5A17
 """The second word of the backward roundings' seeds (the first tells the two apart)."""
-
-
-def _in_own_layout(prepared: Any) -> Any:
-    """A float8 operand (``(values, scale, ...)``) with its values laid out as the array
-    they quantize (row-major), on GPUs; any other prepared operand as it is.
-
-    XLA:GPU's float8 GEMMs take both operands contraction-major, so the forward and the
-    backward product want a weight's float8 values in transposed layouts. Left to
-    itself, XLA writes the cast in the forward GEMM's layout, reading the float32
-    weight transposed, and transposes the float8 copy back for the backward GEMM: two
-    transposing kernels. Pinned row-major, the cast is a plain elementwise kernel and
-    only the float8 copy is transposed, or both layouts come from one kernel
-    (benchmarks/results/roofline_layout_2026-11-28.md).
-    """
-    # A `Float8` scheme's operand is a plain tuple (block schemes' are named tuples).
-    if type(prepared) is not tuple or jnp.ndim(prepared[0]) < 2:
-        return prepared
-    values = prepared[0]
-    row_major = xla_layout.Layout(tuple(range(values.ndim)))
-
-    def pin(v: jax.Array) -> jax.Array:
-        out: jax.Array = xla_layout.with_layout_constraint(  # type: ignore[no-untyped-call]
-            v, row_major)
-        return out
-
-    # Only on GPUs: XLA:CPU lays arrays out row-major anyway, and a TPU's are tiled.
-    pinned = lax.platform_dependent(values, cuda=pin, rocm=pin, default=lambda v: v)
-    return (pinned, *prepared[1:])
 
 
 def _made_together(tree: Any) -> Any:
