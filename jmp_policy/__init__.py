@@ -9,9 +9,40 @@ per-operation autocast, and Flax integration (``jmp_policy.flax``, optional).
 dtype(bfloat16)
 """
 
-from jmp_policy._dtypes import half_dtype
+from jmp_policy.autocast import AutocastWarning, autocast, dot_general
+from jmp_policy.dtypes import half_dtype
+from jmp_policy.float8 import AmaxHistory, Float8Recipe, Float8State
+from jmp_policy.autocast import float8_state
+from jmp_policy.inspector import NumericsReport, inspect_numerics
+from jmp_policy.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    select_tree,
+)
+from jmp_policy.optim import (
+    CastState,
+    KahanState,
+    LossScalingState,
+    QuantizedArray,
+    QuantizedState,
+    SplitState,
+    StochasticRoundingState,
+    cast_state,
+    dequantize,
+    get_loss_scale,
+    loss_scaling,
+    low_precision_params,
+    master_params,
+    quantize_state,
+    scaled_value_and_grad,
+)
+from jmp_policy.policy import UnmatchedRuleWarning
 from jmp_policy.policy import (
     Policy,
+    PolicyMap,
     cast_to_full,
     cast_to_half,
     dtype_policy,
@@ -23,36 +54,6 @@ from jmp_policy.policy import (
     set_policy,
     wrap,
 )
-from jmp_policy.policy_map import PolicyMap
-from jmp_policy._rules import UnmatchedRuleWarning
-from jmp_policy.loss_scale import (
-    DynamicLossScale,
-    LossScale,
-    NoOpLossScale,
-    StaticLossScale,
-    all_finite,
-    select_tree,
-)
-from jmp_policy.transform import (
-    LossScalingState,
-    get_loss_scale,
-    loss_scaling,
-    scaled_value_and_grad,
-)
-from jmp_policy.autocast import AutocastWarning, autocast, dot_general
-from jmp_policy.low_precision import (
-    CastState,
-    KahanState,
-    SplitState,
-    StochasticRoundingState,
-    cast_state,
-    low_precision_params,
-    master_params,
-)
-from jmp_policy.autocast import AmaxHistory, Float8Recipe, Float8State, float8_state
-from jmp_policy.inspector import NumericsReport, inspect_numerics
-from jmp_policy.quantized_state import (
-    QuantizedArray, QuantizedState, dequantize, quantize_state)
 
 __version__ = "0.1.0"
 

@@ -561,3 +561,57 @@ def salted_bits(seed: jax.Array, x: jax.Array) -> jax.Array:
     """`random_bits` for rounding float32 ``x`` with ``seed``, salted with ``x``'s own bits:
     one seed then serves every array a step rounds (see `random_bits`)."""
     return random_bits(seed, jnp.shape(x), lax.bitcast_convert_type(x, _U32))
+
+
+# --- Bits of float32 magnitudes ---------------------------------------------------------
+
+I32 = np.int32
+INF_BITS = I32(0x7F800000)
+
+
+def magnitude_bits(x: Any) -> jax.Array:
+    """The bits of ``|x|`` as a float32 (int32).
+
+    A narrow ``x`` is read with `widen`: statistics of its values stay
+    those of its format where the compiler removes the round trip to it.
+    """
+    x32 = lax.convert_element_type(widen(x), np.float32)
+    return lax.bitcast_convert_type(x32, I32) & I32(0x7FFFFFFF)
+
+
+def unfoldable(x: Any) -> jax.Array:
+    """Floating ``x`` times a one that XLA cannot see: a reduction of it is never evaluated
+    at compile time. (Exact: ``x * 1`` is ``x``, infs and NaNs included.)
+
+    A constant ``x`` (the cotangent of a loss linear in a product, a mask) would
+    otherwise be reduced by XLA's constant folding, element by element: minutes for a
+    large one, in every backend's compile. Fused into the reduction, the multiplication
+    costs no memory traffic.
+    """
+    one = lax.optimization_barrier(jnp.ones((), jnp.result_type(x)))  # type: ignore[no-untyped-call]
+    return lax.mul(x, one)
+
+
+def finite_mask(bits: jax.Array) -> jax.Array:
+    """-1 (all bits set) where the magnitude ``bits`` are finite, 0 for inf and NaN."""
+    return lax.shift_right_arithmetic(bits - INF_BITS, I32(31))
+
+
+def below(bits: jax.Array, limit: Any) -> jax.Array:
+    """1 where ``bits < limit`` (both non-negative), else 0."""
+    return lax.shift_right_logical(bits - I32(limit), I32(31))
+
+
+def positive(bits: jax.Array) -> jax.Array:
+    """1 where ``bits > 0`` (non-negative), else 0."""
+    return lax.shift_right_logical(-bits, I32(31))
+
+
+def as_float(bits: jax.Array) -> jax.Array:
+    """The float32 whose bits are ``bits``."""
+    return lax.bitcast_convert_type(bits, np.float32)
+
+
+def where_bits(mask: jax.Array, x: jax.Array) -> jax.Array:
+    """``x`` where ``mask`` is -1, +0.0 where it is 0 (a select without a select)."""
+    return as_float(lax.bitcast_convert_type(x, I32) & mask)

@@ -31,25 +31,22 @@ import dataclasses
 import math
 import numbers
 import warnings
-from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union
+from typing import Any, Optional, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._finite import all_finite, is_inexact
-
-if TYPE_CHECKING:
-    from jmp_policy.policy import Policy
+import functools
+from typing import Hashable
+from jax.sharding import AxisType
 
 __all__ = [
     "DynamicLossScale",
     "LossScale",
-    "LossScaleLike",
     "NoOpLossScale",
     "StaticLossScale",
     "all_finite",
-    "as_loss_scale",
     "select_tree",
 ]
 
@@ -361,51 +358,6 @@ jax.tree_util.register_pytree_with_keys(
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
 
 #: Everything a ``loss_scale=`` argument accepts (see `as_loss_scale`).
-LossScaleLike = Union[LossScale, "Policy", str, float, jax.Array, np.ndarray, None]
-
-
-def as_loss_scale(loss_scale: Any) -> LossScale:
-    """The loss-scale object meant by a ``loss_scale=`` argument.
-
-    ``"dynamic"`` (a default `DynamicLossScale`), a number or a 0-d array (a
-    `StaticLossScale`), ``None`` (`NoOpLossScale`), a `jmp_policy.Policy` or a
-    policy name (its loss scale) or a loss-scale object (returned as it is).
-
-    >>> as_loss_scale(128.0)
-    StaticLossScale(loss_scale=np.float32(128.0))
-    >>> as_loss_scale("mixed_bfloat16")
-    NoOpLossScale()
-    """
-    from jmp_policy.policy import Policy  # policy.py imports this module
-
-    if loss_scale is None:
-        return NoOpLossScale()
-    if isinstance(loss_scale, (NoOpLossScale, StaticLossScale, DynamicLossScale)):
-        return loss_scale
-    if isinstance(loss_scale, Policy):
-        return loss_scale.loss_scale
-    if isinstance(loss_scale, str):
-        if loss_scale == "dynamic":
-            return DynamicLossScale()
-        try:
-            return Policy(loss_scale).loss_scale
-        except ValueError as error:
-            raise ValueError(f"Unknown loss_scale {loss_scale!r}: {_FORMS}. As a policy name: "
-                             f"{error}") from None
-    is_number = isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, bool)
-    is_array = (isinstance(loss_scale, (np.ndarray, np.generic, jax.Array))
-                and np.ndim(loss_scale) == 0 and jnp.issubdtype(loss_scale.dtype, jnp.number))
-    if is_number or is_array:
-        return StaticLossScale(loss_scale)
-    raise TypeError(f"loss_scale must be one of: {_FORMS}; got {loss_scale!r} of type "
-                    f"{type(loss_scale).__name__}.")
-
-
-_FORMS = ("'dynamic', a number (a static scale), None (no scaling), a jmp_policy.Policy or "
-          "policy name such as 'mixed_float16', or a NoOpLossScale / StaticLossScale / "
-          "DynamicLossScale")
-
-
 # ---------------------------------------------------------------------------
 # select_tree (jmp).
 
@@ -431,3 +383,78 @@ def select_tree(pred: Any, a: T, b: T) -> T:
     pred = _check_bool_scalar(pred, "select_tree(pred, a, b)")
     selected: T = jax.tree_util.tree_map(lambda x, y: jax.lax.select(pred, x, y), a, b)
     return selected
+
+
+# --- Finiteness -------------------------------------------------------------------------
+
+def is_inexact(x: Any) -> bool:
+    """Whether ``x`` is a floating or complex array (or scalar)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return isinstance(x, (float, complex))
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.inexact))
+    except TypeError:  # extended dtypes such as PRNG keys
+        return False
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """A scalar bool array: True iff every floating leaf of ``tree`` is finite.
+
+    Non-floating leaves (integers, booleans, keys) are ignored; an empty tree,
+    or ``None``, is finite. Under ``jit`` each leaf is read once, in one
+    reduction, and nothing leaf-sized is written.
+
+    >>> import jax.numpy as jnp
+    >>> import jmp_policy
+    >>> bool(jmp_policy.all_finite({"w": jnp.ones(3), "step": jnp.int32(1)}))
+    True
+    >>> bool(jmp_policy.all_finite([jnp.array([1.0, jnp.inf])]))
+    False
+    """
+    return unscaled_all_finite(tree, None)
+
+
+def unscaled_all_finite(tree: Any, inverse: Optional[Any]) -> jax.Array:
+    """``all_finite`` of ``tree`` unscaled by ``inverse``, without writing the unscaled values.
+
+    Each floating leaf ``x`` is checked as ``(x * inverse).astype(x.dtype)``, the
+    value a loss scale's ``unscale`` produces, so that a gradient that overflows
+    only once unscaled (a loss scale below 1) is caught. XLA fuses the multiply
+    into the reduction's read. ``inverse=None`` checks ``tree`` as it is.
+    """
+    groups: dict[Hashable, list[jax.Array]] = {}
+    for x in jax.tree_util.tree_leaves(tree):
+        if is_inexact(x) and np.size(x):
+            x = jnp.asarray(x)
+            groups.setdefault(_group(x), []).append(x)
+    total = jnp.zeros((), jnp.float32)
+    for xs in groups.values():
+        if inverse is not None:
+            xs = [(x * inverse).astype(x.dtype) for x in xs]
+        zeros = functools.reduce(jnp.add, [x - x for x in xs])
+        # lax.reduce_sum in the leaves' own dtype: jnp.sum would first widen
+        # float16 to float32, an extra elementwise pass. (And ``x - x`` rather
+        # than ``x * 0``: no zero array for XLA to share and write out.) Not
+        # lax.reduce with lax.add: under an explicit mesh it traces the adder
+        # with sharding constraints in its body, and XLA:CPU's promotion of a
+        # bfloat16 or float16 all-reduce (FSDP-sharded gradients) aborts the
+        # process on such a body ("Invalid binary instruction opcode copy").
+        total += jnp.real(jax.lax.reduce_sum(zeros, tuple(range(zeros.ndim))))
+    return jnp.isfinite(total)
+
+
+def _group(x: jax.Array) -> Hashable:
+    """Leaves with equal keys are added elementwise and reduced once.
+
+    One reduction per group rather than per leaf means fewer kernels, but
+    adding two leaves makes XLA give both the same sharding. So leaves are
+    grouped only where their sharding is known when tracing (one device, or
+    an explicit sharding in their type); on a mesh with automatic axes, where
+    XLA picks shardings later, each leaf is reduced where it lives.
+    """
+    sharding = jax.typeof(x).sharding
+    automatic = sharding.mesh.empty or AxisType.Auto in sharding.mesh.axis_types
+    if automatic and jax.device_count() > 1:
+        return id(x)
+    return (x.shape, x.dtype, sharding)

@@ -834,9 +834,9 @@ def test_a_changed_jax_primitive_is_a_clear_error_not_a_wrong_result():
     # Handlers of higher-order primitives read JAX-internal parameters (JAX 0.11
     # renamed scan's); one that is missing must name the primitive and parameter.
     # No public function takes a jaxpr, so this goes through the interpreter's API.
-    from jmp_policy.autocast._interpreter import Context, eval_jaxpr
-    from jmp_policy.autocast._matmul import matmul
-    from jmp_policy.autocast._rules import parse_rules
+    from jmp_policy.autocast.interpreter import Context, eval_jaxpr
+    from jmp_policy.autocast.interpreter import matmul
+    from jmp_policy.autocast.rules import parse_rules
 
     closed = jax.make_jaxpr(lambda xs: jax.lax.scan(lambda c, x: (c + x, c * x), 0.0, xs))(jnp.ones(3))
     eqns = [e.replace(params={k: v for k, v in e.params.items()
@@ -851,9 +851,9 @@ def test_a_changed_jax_primitive_is_a_clear_error_not_a_wrong_result():
 def test_interpreter_hooks_see_each_equation_with_its_scope():
     # The extension points other modules build on (a matmul rule, an observer); not
     # public API, so this goes through the interpreter's own module.
-    from jmp_policy.autocast._interpreter import Context, eval_jaxpr
-    from jmp_policy.autocast._matmul import matmul
-    from jmp_policy.autocast._rules import parse_rules
+    from jmp_policy.autocast.interpreter import Context, eval_jaxpr
+    from jmp_policy.autocast.interpreter import matmul
+    from jmp_policy.autocast.rules import parse_rules
 
     def fn(w, x):
         with jax.named_scope("block"):

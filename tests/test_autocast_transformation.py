@@ -21,7 +21,7 @@ import pytest
 
 import jmp_policy
 from jaxpr_walk import eqns, scoped_eqns
-from jmp_policy.autocast._rules import scope_names
+from jmp_policy.paths import scope_names
 
 nn = pytest.importorskip("flax.linen")
 nnx = pytest.importorskip("flax.nnx")
@@ -331,7 +331,7 @@ def test_batch_stats_stay_float32_and_the_train_step_traces_once():
 
 
 def test_autocast_functions_made_over_and_over_keep_no_growing_cache():
-    from jmp_policy.autocast import _interpreter
+    from jmp_policy.autocast import interpreter as _interpreter
 
     x = jnp.ones((4, 4))
     for i in range(40):  # a fresh autocast each time, as inside a function traced repeatedly

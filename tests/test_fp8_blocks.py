@@ -19,7 +19,8 @@ from jaxpr_walk import eqns
 import jmp_policy
 from jmp_policy import formats
 from jmp_policy import Float8Recipe, autocast
-from jmp_policy.autocast import _blocks, _fp8
+from jmp_policy import float8 as _fp8
+from jmp_policy.float8 import _blocks
 
 E2M1, E4M3, E5M2 = (np.dtype(d) for d in (jnp.float4_e2m1fn, jnp.float8_e4m3fn, jnp.float8_e5m2))
 E8M0, F32, BF16 = np.dtype(jnp.float8_e8m0fnu), np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
@@ -462,7 +463,7 @@ def test_inspector_reports_block_products_with_saturated_and_flushed_values(
     (row,) = [r for r in report.rows if r.primitive == "dot_general"]
     assert (row.dtype, row.fp8_saturated, row.fp8_flushed) == ("float8_e4m3fn", 0, 1)
     pytest.importorskip("matplotlib")
-    from jmp_policy import _numerics_plot
+    from jmp_policy.inspector import _plot as _numerics_plot
     assert "float4_e2m1fn" in _numerics_plot.FORMATS  # drawn next to the float8 formats
     report.plot(str(tmp_path / "ranges.png"))
     assert (tmp_path / "ranges.png").stat().st_size > 0

@@ -1,4 +1,4 @@
-"""Tests for jmp_policy.policy_map.PolicyMap."""
+"""Tests for jmp_policy.PolicyMap."""
 
 import copy
 import dataclasses

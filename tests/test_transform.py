@@ -1,4 +1,4 @@
-"""Tests for jmp_policy.transform: loss_scaling, get_loss_scale, scaled_value_and_grad."""
+"""Tests for loss scaling (jmp_policy.optim): loss_scaling, get_loss_scale, scaled_value_and_grad."""
 
 import functools
 
@@ -288,7 +288,7 @@ def test_get_loss_scale_finds_the_state_of_every_right_composition(build):
 
     scale, state = step(state, jnp.full(2, jnp.inf))
     assert float(scale) == 128.0  # the overflow reached loss_scaling
-    assert int(jmp_policy.transform.loss_scaling_state(state).skipped_steps) == 1
+    assert int(jmp_policy.optim.loss_scaling_state(state).skipped_steps) == 1
 
 
 @pytest.mark.parametrize("build, match", WRONG_COMPOSITIONS.values(), ids=WRONG_COMPOSITIONS.keys())
@@ -327,7 +327,7 @@ def test_multisteps_outside_loss_scaling_is_poisoned_by_one_overflow_and_refused
     state, upd = tx.init({"w": jnp.ones(2)}), jax.jit(tx.update)
     for i in range(8):
         updates, state = upd({"w": jnp.full(2, np.inf if i == 1 else 4.0)}, state)
-    inner = jmp_policy.transform._loss_scaling_states(state)[0]
+    inner = jmp_policy.optim._loss_scaling._loss_scaling_states(state)[0]
     assert int(inner.skipped_steps) == 4  # 4 of 4 accumulated steps skipped
     assert not np.isfinite(state.acc_grads["w"]).any()
     with pytest.raises(ValueError, match=r"loss_scaling\(optax\.MultiSteps\(inner"):

@@ -67,10 +67,10 @@ for layers that take one).
 
 from jmp_policy.autocast import _higher_order  # noqa: F401  (registers the handlers)
 from jmp_policy.autocast._api import autocast, float8_state
-from jmp_policy.autocast._delayed import AmaxHistory, Float8State
+from jmp_policy.float8 import AmaxHistory, Float8State
 from jmp_policy.autocast._dot_general import dot_general
-from jmp_policy.autocast._fp8 import Float8Recipe
-from jmp_policy.autocast._rules import (
+from jmp_policy.float8 import Float8Recipe
+from jmp_policy.autocast.rules import (
     FLOAT32_PRIMITIVES,
     FOLLOW_PRIMITIVES,
     MATMUL_PRIMITIVES,

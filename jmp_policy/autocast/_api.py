@@ -2,16 +2,16 @@
 
 A call goes through four steps, each a function below:
 
-1. `_Call.of` splits the arguments (and ``fn`` itself, when it is a module or a
+1. `Call.of` splits the arguments (and ``fn`` itself, when it is a module or a
    module's method) into array leaves, which are traced, and everything else,
    which reaches ``fn`` as it is; Flax NNX objects are split into graph and
    state (``_modules``).
-2. `_Call.trace` runs ``fn``'s Python to a jaxpr of the array leaves, with
+2. `Call.trace` runs ``fn``'s Python to a jaxpr of the array leaves, with
    module paths as scopes; nothing is cached, so closures and module
    attributes are read at call time, and under an outer ``jit`` this happens
    once per trace of that ``jit``, as for any JAX transformation.
 3. `_evaluate` evaluates the jaxpr under autocast (``_interpreter``).
-4. `_Call.finish` casts the outputs (``_outputs``), writes NNX state back and
+4. `_finish` casts the outputs (``_outputs``), writes NNX state back and
    rebuilds ``fn``'s output tree.
 """
 
@@ -27,16 +27,17 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from jmp_policy._rules import UnmatchedRuleWarning
-from jmp_policy.autocast import _modules
-from jmp_policy.autocast._delayed import Float8State, Slots, make_state
-from jmp_policy.autocast._fp8 import Float8Like, Float8Recipe, as_recipe
-from jmp_policy.autocast._fp8_matmul import FLOAT8_PRODUCTS, float8_matmul
-from jmp_policy.autocast._interpreter import Context, eval_jaxpr, higher_order_names
-from jmp_policy.autocast._lattice import F32, DType, convert, represents
-from jmp_policy.autocast._matmul import matmul
+from jmp_policy.policy import UnmatchedRuleWarning
+from jmp_policy.autocast import modules as _modules
+from jmp_policy.autocast.modules import Call
+from jmp_policy.float8 import Float8State, Slots, make_state
+from jmp_policy.float8 import Float8Like, Float8Recipe, as_recipe
+from jmp_policy.autocast._float8 import FLOAT8_PRODUCTS, float8_matmul
+from jmp_policy.autocast.interpreter import Context, eval_jaxpr, higher_order_names
+from jmp_policy.dtypes import F32, DType, convert, represents
+from jmp_policy.autocast.interpreter import matmul
 from jmp_policy.autocast._outputs import PRODUCT, output_kinds
-from jmp_policy.autocast._rules import AutocastWarning, Rules, parse_rules
+from jmp_policy.autocast.rules import AutocastWarning, Rules, parse_rules
 from jmp_policy.policy import Policy, PolicyLike, as_policy
 
 
@@ -114,13 +115,13 @@ def autocast(
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if recipe is not None and recipe.delayed:
             return _delayed_call(fn, settings, args, kwargs)
-        call = _Call.of(fn, args, kwargs)
+        call = Call.of(fn, args, kwargs)
         if settings.is_identity():
             if parsed.float32_scopes:  # nothing to pin, but a scope that matches nothing is reported
                 _warn_unmatched(settings, parsed.unmatched(_scope_paths(call.trace().jaxpr)))
             return fn(*args, **kwargs)
         closed = call.trace()
-        return call.finish(_evaluate(closed, settings, call.values), closed, settings)
+        return _finish(call, _evaluate(closed, settings, call.values), closed, settings)
 
     setattr(wrapped, _RECIPE, recipe)
     if recipe is not None and recipe.delayed:
@@ -176,130 +177,30 @@ def _is_float(x: Any) -> bool:
     return jax.numpy.issubdtype(x.dtype, np.floating)
 
 
-def _is_array(leaf: Any) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+def _finish(call: Call, outs: list[Any], closed: ClosedJaxpr, settings: _Settings) -> Any:
+    """``fn``'s output from the evaluated jaxpr's outputs; NNX state written back.
 
-
-# --- One call ----------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class _Call:
-    """One call of an autocast function: its leaves, which of them are traced, NNX state.
-
-    Attributes:
-      leaves: the leaves of ``(fn, args, kwargs)``, NNX objects as leaves.
-      treedef: their tree.
-      nnx: the NNX objects among the leaves, split (``None`` if there are none).
-      dynamic: positions of the traced values among ``leaves + nnx state leaves``.
-      values: the traced values, in that order.
+    Outputs are cast as `_output` says. NNX state keeps the dtypes ``fn``
+    gave it, so that a train step sees the same types on every call.
     """
-
-    leaves: list[Any]
-    treedef: Any
-    nnx: Optional[_modules.NnxState]
-    state_treedef: Any
-    dynamic: list[int]
-    values: list[Any]
-    out_tree: Any = None
-    static_outs: Optional[list[Any]] = None
-    n_state: int = 0
-
-    @classmethod
-    def of(cls, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> _Call:
-        leaves, treedef = jax.tree_util.tree_flatten(
-            (_modules.as_data(fn), tuple(args), kwargs), is_leaf=_modules.is_nnx)
-        nnx = _modules.NnxState.split(leaves)
-        state_leaves, state_treedef = jax.tree_util.tree_flatten(nnx.state if nnx else ())
-        everything = [*leaves, *state_leaves]
-        dynamic = [i for i, leaf in enumerate(everything)
-                   if _is_array(leaf) and not _modules.is_nnx(leaf)]
-        return cls(leaves, treedef, nnx, state_treedef, dynamic, [everything[i] for i in dynamic])
-
-    def trace(self) -> ClosedJaxpr:
-        """``fn`` as a jaxpr of the traced values; outputs, then the NNX state it leaves."""
-        return jax.make_jaxpr(self._flat)(*self.values)
-
-    def rebuild(self, values: Sequence[Any]) -> tuple[Any, Any, Any, tuple[Any, ...]]:
-        """``(callee, args, kwargs, NNX objects)`` with ``values`` for the traced leaves.
-
-        NNX objects are fresh copies holding the values (see `_modules.NnxState`);
-        the caller's objects are left alone.
-        """
-        everything = [*self.leaves, *jax.tree_util.tree_leaves(self.nnx.state if self.nnx else ())]
-        for i, v in zip(self.dynamic, values):
-            everything[i] = v
-        leaves, state_leaves = everything[:len(self.leaves)], everything[len(self.leaves):]
-        objects: tuple[Any, ...] = ()
-        if self.nnx is not None:
-            state = jax.tree_util.tree_unflatten(self.state_treedef, state_leaves)
-            objects = self.nnx.merged(leaves, state)
-        callee, args, kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
-        return callee, args, kwargs, objects
-
-    def dynamic_in(self, position: int) -> list[int]:
-        """The indices in `values` of the traced leaves inside positional argument ``position``."""
-        callee, args, _ = jax.tree_util.tree_unflatten(self.treedef, self.leaves)
-        count = functools.partial(_leaf_count, is_leaf=_modules.is_nnx)
-        start = count(callee) + sum(count(a) for a in args[:position])
-        inside = set(range(start, start + count(args[position])))
-        objects = ({k for k, i in enumerate(self.nnx.positions) if i in inside}
-                   if self.nnx is not None else set())
-        state_paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(
-            self.nnx.state if self.nnx else ())[0]]
-        owners = [_first_key(path) for path in state_paths]  # which NNX object holds a leaf
-        n = len(self.leaves)
-        return [k for k, i in enumerate(self.dynamic)
-                if i in inside or (i >= n and owners[i - n] in objects)]
-
-    def _flat(self, *values: Any) -> list[Any]:
-        callee, args, kwargs, objects = self.rebuild(values)
-        with _modules.module_scopes([callee, args, kwargs]):
-            out = _modules.call(callee, args, kwargs)
-        out_leaves, self.out_tree = jax.tree_util.tree_flatten(out)
-        new_state: list[Any] = (jax.tree_util.tree_leaves(_modules.nnx_state(objects))
-                                if objects else [])
-        self.n_state = len(new_state)
-        everything = [*out_leaves, *new_state]
-        self.static_outs = [None if _is_array(x) or _is_tracer(x) else x for x in everything]
-        return [x for x in everything if _is_array(x) or _is_tracer(x)]
-
-    def finish(self, outs: list[Any], closed: ClosedJaxpr, settings: _Settings) -> Any:
-        """``fn``'s output from the evaluated jaxpr's outputs; NNX state written back.
-
-        Outputs are cast as `_output` says. NNX state keeps the dtypes ``fn``
-        gave it, so that a train step sees the same types on every call.
-        """
-        assert self.static_outs is not None
-        compute, output = settings.dtypes(self.values)
-        kinds = output_kinds(closed.jaxpr, settings.rules.under(compute))
-        traced = iter(zip(outs, kinds, closed.out_avals))
-        n_out = len(self.static_outs) - self.n_state
-        everything = []
-        for i, static in enumerate(self.static_outs):
-            if static is not None:
-                everything.append(static)
-                continue
-            value, kind, aval = next(traced)
-            everything.append(_output(value, kind, output) if i < n_out
-                              else convert(value, aval.dtype))
-        if self.nnx is not None:
-            state = jax.tree_util.tree_unflatten(self.state_treedef, everything[n_out:])
-            _modules.write_back([self.leaves[i] for i in self.nnx.positions], self.nnx.state,
-                                state)
-        return jax.tree_util.tree_unflatten(self.out_tree, everything[:n_out])
-
-
-def _is_tracer(x: Any) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
-def _leaf_count(tree: Any, is_leaf: Callable[[Any], bool]) -> int:
-    return len(jax.tree_util.tree_leaves(tree, is_leaf=is_leaf))
-
-
-def _first_key(path: Sequence[Any]) -> Any:
-    key = path[0]
-    return getattr(key, "key", getattr(key, "idx", key))
+    assert call.static_outs is not None
+    compute, output = settings.dtypes(call.values)
+    kinds = output_kinds(closed.jaxpr, settings.rules.under(compute))
+    traced = iter(zip(outs, kinds, closed.out_avals))
+    n_out = len(call.static_outs) - call.n_state
+    everything = []
+    for i, static in enumerate(call.static_outs):
+        if static is not None:
+            everything.append(static)
+            continue
+        value, kind, aval = next(traced)
+        everything.append(_output(value, kind, output) if i < n_out
+                          else convert(value, aval.dtype))
+    if call.nnx is not None:
+        state = jax.tree_util.tree_unflatten(call.state_treedef, everything[n_out:])
+        _modules.write_back([call.leaves[i] for i in call.nnx.positions], call.nnx.state,
+                            state)
+    return jax.tree_util.tree_unflatten(call.out_tree, everything[:n_out])
 
 
 def _output(value: Any, kind: int, output: DType) -> Any:
@@ -325,7 +226,7 @@ def _delayed_call(fn: Callable[..., Any], settings: _Settings, args: Sequence[An
             "made by jmp_policy.float8_state(f, *args); got "
             f"{type(args[0]).__name__ if args else 'no argument'}.")
     state, args = args[0], args[1:]
-    call = _Call.of(fn, args, kwargs)
+    call = Call.of(fn, args, kwargs)
     closed = call.trace()
     length = settings.recipe.amax_history_length
     if isinstance(state, _Record):  # staged, not run; no NNX state written back
@@ -335,7 +236,7 @@ def _delayed_call(fn: Callable[..., Any], settings: _Settings, args: Sequence[An
     slots = Slots(length, state.histories, f"function {settings.name}")
     outs = _evaluate(closed, settings, call.values, slots)
     slots.check_all_taken()
-    return call.finish(outs, closed, settings)
+    return _finish(call, outs, closed, settings)
 
 
 def float8_state(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Float8State:

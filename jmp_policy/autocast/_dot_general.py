@@ -23,13 +23,19 @@ from jax import lax
 from jax.extend import source_info_util
 
 from jmp_policy.autocast._api import _Settings
-from jmp_policy.autocast._fp8 import (
-    SCALINGS, Float8Like, Float8Recipe, as_recipe, eligible, why_not_float8)
-from jmp_policy.autocast._fp8_matmul import FLOAT8_PRODUCTS, float8_matmul
-from jmp_policy.autocast._interpreter import Context, eval_jaxpr
-from jmp_policy.autocast._lattice import convert, is_floating
-from jmp_policy.autocast._matmul import matmul
-from jmp_policy.autocast._rules import AutocastWarning, parse_rules
+from jmp_policy.float8 import (
+    SCALINGS,
+    Float8Like,
+    Float8Recipe,
+    as_recipe,
+    eligible,
+    why_not_float8,
+)
+from jmp_policy.autocast._float8 import FLOAT8_PRODUCTS, float8_matmul
+from jmp_policy.autocast.interpreter import Context, eval_jaxpr
+from jmp_policy.dtypes import convert, is_floating
+from jmp_policy.autocast.interpreter import matmul
+from jmp_policy.autocast.rules import AutocastWarning, parse_rules
 from jmp_policy.policy import Policy, PolicyLike, as_policy
 
 _RULES = parse_rules(None)

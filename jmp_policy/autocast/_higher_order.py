@@ -29,11 +29,11 @@ import numpy as np
 from jax import core, lax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Primitive, jaxpr_as_fun
 
-from jmp_policy._dtypes import is_floating_dtype
-from jmp_policy.autocast._interpreter import (
-    Context, Params, autocast_jaxpr, bind, eval_jaxpr, register)
-from jmp_policy.autocast._delayed import AmaxHistory, Refused, Slots, stacked
-from jmp_policy.autocast._lattice import convert, dtype_of, join, struct
+from jmp_policy.dtypes import is_floating_dtype
+from jmp_policy.autocast.interpreter import Context, Params, autocast_jaxpr, eval_jaxpr, register
+from jmp_policy.jaxprs import bind
+from jmp_policy.float8 import AmaxHistory, Refused, Slots, stacked
+from jmp_policy.dtypes import convert, dtype_of, join, struct
 
 
 def _shard_map_p() -> Primitive:

@@ -22,7 +22,7 @@ in float32 keeps the choice as computed, so that the elements taken from it
 are not narrowed.
 
 >>> import jax, jax.numpy as jnp
->>> from jmp_policy.autocast._rules import parse_rules
+>>> from jmp_policy.autocast.rules import parse_rules
 >>> closed = jax.make_jaxpr(lambda w, x: (x @ w + 1.0, jnp.mean(x @ w), x * 2))(
 ...     jnp.ones((2, 2)), jnp.ones((3, 2)))
 >>> output_kinds(closed.jaxpr, parse_rules(None)) == [PRODUCT, KEPT, ARGUMENT]
@@ -40,8 +40,8 @@ from typing import Any, Sequence
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
-from jmp_policy._dtypes import is_floating_dtype
-from jmp_policy.autocast._rules import Rules
+from jmp_policy.dtypes import is_floating_dtype
+from jmp_policy.autocast.rules import Rules
 
 LITERAL, ARGUMENT, PRODUCT, KEPT = 0, 1, 2, 3
 

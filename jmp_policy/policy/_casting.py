@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import jax
 import numpy as np
 
-from jmp_policy._dtypes import canonical_dtype, is_floating_dtype
+from jmp_policy.dtypes import canonical_dtype, is_floating_dtype
 
 T = TypeVar("T")
 
@@ -82,11 +82,6 @@ def cast_tree(tree: T, dtype: Optional[np.dtype[Any]]) -> T:
         return tree
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     return typing.cast(T, jax.tree_util.tree_unflatten(treedef, cast_leaves(leaves, [dtype] * len(leaves))))
-
-
-def path_str(path: Sequence[Any]) -> str:
-    """A key path as the ``/``-joined string policies match on, e.g. ``params/Dense_0/kernel``."""
-    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def first_floating_dtype(tree: Any) -> Optional[np.dtype[Any]]:

@@ -59,14 +59,15 @@ import numpy as np
 import optax
 
 import jmp_policy
-from jmp_policy import _rules
-from jmp_policy._flax_float8 import (
+from jmp_policy.paths import path_str
+from jmp_policy.policy import Rule, compile_path_regex, parse_rules, warn_unmatched
+from jmp_policy.flax._float8 import (
     FLOAT8_HISTORIES, Float8Histories, LinenFloat8DotGeneral, NNXFloat8DotGeneral,
     record_float8_histories)
-from jmp_policy._casting import path_str
-from jmp_policy.loss_scale import LossScale, LossScaleLike
+from jmp_policy.loss_scale import LossScale
+from jmp_policy.policy import LossScaleLike
 from jmp_policy.policy import Policy, PolicyLike, as_policy
-from jmp_policy.transform import loss_scaling_state, scaled_loss_fn
+from jmp_policy.optim import loss_scaling_state, scaled_loss_fn
 
 __all__ = [
     "FLOAT8_HISTORIES",
@@ -123,7 +124,7 @@ def module_kwargs(policy: PolicyLike = None) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 # Rules, shared by linen's module_policy and NNX's set_nnx_policy.
 # ---------------------------------------------------------------------------
-def _compile_rules(rules: Rules, api: str) -> tuple[_rules.Rule[_Matcher], ...]:
+def _compile_rules(rules: Rules, api: str) -> tuple[Rule[_Matcher], ...]:
     """Validates ``(key, policy)`` rules for `module_policy` (linen) or `set_nnx_policy` (NNX)."""
     linen = api == "module_policy"
     base: type = nn.Module if linen else nnx.Module
@@ -133,7 +134,7 @@ def _compile_rules(rules: Rules, api: str) -> tuple[_rules.Rule[_Matcher], ...]:
 
     def compile_key(key: object, n: int) -> _Matcher:
         if isinstance(key, str):
-            return _rules.compile_path_regex(key, api, n, "Block_0/LayerNorm_0")
+            return compile_path_regex(key, api, n, "Block_0/LayerNorm_0")
         if isinstance(key, type) and issubclass(key, base):
             return key
         if isinstance(key, type) and issubclass(key, other):
@@ -144,18 +145,18 @@ def _compile_rules(rules: Rules, api: str) -> tuple[_rules.Rule[_Matcher], ...]:
             f"{api} rule #{n}: the key must be a {lib}.Module subclass "
             f"(e.g. LayerNorm) or a path regex string, got {key!r}.")
 
-    return _rules.parse_rules(rules, api, "key", f"a {lib}.Module subclass or a path regex",
+    return parse_rules(rules, api, "key", f"a {lib}.Module subclass or a path regex",
                               compile_key)
 
 
-def _matching(rules: Sequence[_rules.Rule[_Matcher]], module: Any, path: str) -> list[int]:
+def _matching(rules: Sequence[Rule[_Matcher]], module: Any, path: str) -> list[int]:
     """The indices of the rules that match ``module`` at ``path``, in order."""
     return [n for n, rule in enumerate(rules)
             if (isinstance(module, rule.matcher) if isinstance(rule.matcher, type)
                 else rule.matcher.search(path))]
 
 
-def _choose(rules: Sequence[_rules.Rule[_Matcher]], matching: list[int],
+def _choose(rules: Sequence[Rule[_Matcher]], matching: list[int],
             default: Optional[Policy], module: Any) -> Optional[Policy]:
     if matching:
         return rules[matching[0]].policy
@@ -312,7 +313,7 @@ class ModulePolicy:
         if not block.contexts and exc[0] is None and block.called:
             unmatched = set(range(len(self._rules))) - block.matched - self._warned
             self._warned |= unmatched
-            _rules.warn_unmatched(self._rules, unmatched, "module_policy",
+            warn_unmatched(self._rules, unmatched, "module_policy",
                                   "module called in the with block", block.paths, stacklevel=2)
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
@@ -393,7 +394,7 @@ def set_nnx_policy(model: M, policy: PolicyLike = None, rules: Rules = ()) -> M:
         chosen = _choose(compiled, matching, default, module)
         if chosen is not None:
             _set_module_dtypes(module, chosen)
-    _rules.warn_unmatched(compiled, unmatched, "set_nnx_policy", "submodule of the model",
+    warn_unmatched(compiled, unmatched, "set_nnx_policy", "submodule of the model",
                           [path for path in paths if path], stacklevel=2)
     return model
 

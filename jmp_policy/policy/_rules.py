@@ -14,7 +14,7 @@ import re
 import warnings
 from typing import Any, Callable, Generic, Iterable, Mapping, Sequence, TypeVar
 
-from jmp_policy.policy import Policy, as_policy
+from jmp_policy.policy._policy import Policy, as_policy
 
 K = TypeVar("K")
 

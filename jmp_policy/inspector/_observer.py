@@ -52,15 +52,16 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 
 from jmp_policy import formats
-from jmp_policy._dtypes import is_floating_dtype
-from jmp_policy.autocast._bits import (
+from jmp_policy.dtypes import is_floating_dtype
+from jmp_policy.formats import (
     I32, INF_BITS, below, finite_mask, magnitude_bits, positive, where_bits)
-from jmp_policy.autocast._interpreter import Context, bind, eval_jaxpr, higher_order_names
-from jmp_policy.autocast import _blocks
-from jmp_policy.autocast._lattice import F32, DType, convert, dtype_of, is_floating, join, represents
-from jmp_policy.autocast._matmul import matmul
-from jmp_policy.autocast._rules import (
-    MATMUL_PRIMITIVES, TRACED_DTYPES, AutocastWarning, parse_rules, scope_names)
+from jmp_policy.autocast.interpreter import Context, eval_jaxpr, higher_order_names
+from jmp_policy.jaxprs import bind
+from jmp_policy.float8 import BLOCK_SCALES, TENSOR_SCALES
+from jmp_policy.dtypes import F32, DType, convert, dtype_of, is_floating, join, represents
+from jmp_policy.autocast.interpreter import matmul
+from jmp_policy.autocast.rules import MATMUL_PRIMITIVES, TRACED_DTYPES, AutocastWarning, parse_rules
+from jmp_policy.paths import scope_names
 
 Stats = dict[str, Any]
 """One row's statistics: named scalars."""
@@ -634,7 +635,7 @@ def _floating_aval(v: Any) -> bool:
 
 # The block-scaled quantization makes its scales under these scopes (``_blocks._marked``):
 # the float32 values there have rows, whose ranges are the scales'.
-_SCALE_SCOPES = frozenset({_blocks.BLOCK_SCALES, _blocks.TENSOR_SCALES})
+_SCALE_SCOPES = frozenset({BLOCK_SCALES, TENSOR_SCALES})
 
 # What a block-scaled product's emulation does to an operand between its cast back from
 # float8 (float4) and the product: the rounding made again (``formats.widen``), a scale,

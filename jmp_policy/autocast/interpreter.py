@@ -17,8 +17,8 @@ Another module can run the same dispatch with its own matrix rule or watch
 every equation through ``observe``:
 
 >>> import jax, jax.numpy as jnp, numpy as np
->>> from jmp_policy.autocast._matmul import matmul
->>> from jmp_policy.autocast._rules import parse_rules
+>>> from jmp_policy.autocast.interpreter import matmul
+>>> from jmp_policy.autocast.rules import parse_rules
 >>> seen = []
 >>> ctx = Context(np.dtype(jnp.float16), parse_rules(None), matmul,
 ...               observe=lambda ctx, eqn, ins, outs: seen.append(eqn.primitive.name))
@@ -42,11 +42,16 @@ import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Var
 
-from jmp_policy._dtypes import is_floating_dtype
-from jmp_policy.autocast._lattice import (
+from jmp_policy.dtypes import is_floating_dtype
+from jmp_policy.dtypes import (
     F32, DType, convert, dtype_of, is_floating, join, represents, retyped, widest)
-from jmp_policy.autocast._rules import (
+from jmp_policy.autocast.rules import (
     FLOAT32_PRIMITIVES, INDEPENDENT, TRACED_DTYPES, AutocastWarning, Rules)
+from jmp_policy.jaxprs import bind
+
+__all__ = ["Context", "Handler", "MatmulRule", "Observer", "Params", "autocast_jaxpr",
+           "eval_equation", "eval_jaxpr", "higher_order_names", "jax_roundings", "matmul",
+           "register"]
 
 Handler = Callable[["Context", JaxprEqn, list[Any]], Any]
 """Evaluates one equation under autocast: ``(ctx, eqn, invals) -> outputs``.
@@ -356,13 +361,6 @@ def _warn_unknown(ctx: Context, name: str) -> None:
 
 # --- Helpers for rules and handlers -------------------------------------------------------
 
-def bind(eqn: JaxprEqn, invals: Sequence[Any], params: Optional[dict[str, Any]] = None) -> Any:
-    """Binds ``eqn``'s primitive to ``invals``, with ``params`` instead of its own if given."""
-    params = eqn.params if params is None else params
-    bind_params = eqn.primitive.get_bind_params(params)  # type: ignore[no-untyped-call]
-    return eqn.primitive.bind(*invals, **bind_params)  # type: ignore[no-untyped-call]
-
-
 class Params(dict[str, Any]):
     """An equation's parameters, for handlers: a missing one means JAX changed the primitive.
 
@@ -502,3 +500,26 @@ def _holds_tracer(closed: ClosedJaxpr) -> bool:
 
 _VARIANTS_PER_JAXPR = 16
 _REWRITES = _RewriteCache()
+
+
+# --- The matmul class -------------------------------------------------------------------
+
+def matmul(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
+    """Floating operands and result in ``ctx.compute``, accumulated in float32.
+
+    ``dot_general``, ``conv_general_dilated`` and ``ragged_dot_general`` take
+    their result dtype from ``preferred_element_type``, and accumulate in
+    float32 whatever it is (XLA does so on every backend): a sum of many
+    products is rounded to half precision once, at the end. The result is in the
+    compute dtype, as in plain JAX and ``torch.autocast``: what a
+    ``jax.checkpoint`` policy saves of a product (it sees the ``dot_general``
+    itself), and the activations after it, take half the memory of float32.
+
+    JAX's own derivative then keeps the backward pass in the compute dtype too:
+    a product's cotangent has its result's dtype, so both transposed products
+    take half-precision operands and give half-precision results.
+    """
+    operands = [ctx.cast(x, ctx.compute) for x in invals]
+    if "preferred_element_type" not in eqn.params:
+        return bind(eqn, operands)
+    return bind(eqn, operands, dict(eqn.params, preferred_element_type=ctx.compute))

@@ -66,11 +66,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jmp_policy import formats
-from jmp_policy.autocast import _sharding
-from jmp_policy.autocast._delayed import AmaxHistory, observation
-from jmp_policy.autocast._fp8 import RAGGED, WEIGHT_GRADIENT, Float8Recipe, in_groups, ragged_dims
-from jmp_policy.autocast._interpreter import bind
-from jmp_policy.autocast._lattice import (
+from jmp_policy import sharding as _sharding
+from jmp_policy.float8._delayed import AmaxHistory, observation
+from jmp_policy.float8._recipe import RAGGED, Float8Recipe
+from jmp_policy.float8._quantize import WEIGHT_GRADIENT, in_groups, ragged_dims
+from jmp_policy.jaxprs import bind
+from jmp_policy.dtypes import (
     F32, DType, convert, dtype_of, has_float32_range, represents)
 
 Name = Literal["lhs", "rhs", "g"]

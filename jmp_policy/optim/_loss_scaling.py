@@ -41,15 +41,9 @@ import numpy as np
 import optax
 from jax.extend.core import jaxpr_as_fun
 
-from jmp_policy._finite import is_inexact, unscaled_all_finite
-from jmp_policy.loss_scale import (
-    DynamicLossScale,
-    LossScale,
-    LossScaleLike,
-    StaticLossScale,
-    as_loss_scale,
-    scale_leaves,
-)
+from jmp_policy.loss_scale import is_inexact, unscaled_all_finite
+from jmp_policy.loss_scale import DynamicLossScale, LossScale, StaticLossScale, scale_leaves
+from jmp_policy.policy import LossScaleLike, as_loss_scale
 
 AxisName = Union[None, str, Sequence[str]]
 

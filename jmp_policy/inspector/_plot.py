@@ -6,16 +6,43 @@ imports matplotlib.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+import dataclasses
+from typing import Any, Literal, Sequence
 
 import jax.numpy as jnp
-
-if TYPE_CHECKING:
-    from jmp_policy.inspector import ScopeRange
 
 FORMATS = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
 _PHASE_COLORS = {"forward": "tab:blue", "backward": "tab:orange"}
 _FORMAT_COLOR = "0.45"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScopeRange:
+    """The float32 dynamic range of one scope in one phase, for `NumericsReport.plot`."""
+
+    label: str
+    smallest: float
+    largest: float
+    phase: Literal["forward", "backward"]
+    overflow: bool
+
+
+def scope_ranges(rows: Sequence[Any]) -> list[ScopeRange]:
+    """One `ScopeRange` per scope and phase of a report's rows."""
+    ranges: dict[tuple[str, str], ScopeRange] = {}
+    for r in rows:
+        if r.float32_min is None:
+            continue
+        key = (r.scope or "(no scope)", r.phase)
+        old = ranges.get(key)
+        if old is None:
+            ranges[key] = ScopeRange(key[0], r.float32_min, r.float32_max, r.phase,
+                                     r.overflow > 0)
+        else:
+            ranges[key] = ScopeRange(key[0], min(old.smallest, r.float32_min),
+                                     max(old.largest, r.float32_max), r.phase,
+                                     old.overflow or r.overflow > 0)
+    return list(ranges.values())
 
 
 def _figure_class() -> Any:

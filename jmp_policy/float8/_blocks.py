@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 
 from jmp_policy import formats
-from jmp_policy.autocast._bits import unfoldable
+from jmp_policy.formats import unfoldable
 
 BLOCK_SCALINGS = ("mxfp8", "nvfp4")
 BLOCK_SIZES = {"mxfp8": 32, "nvfp4": 16}

@@ -22,6 +22,8 @@ from typing import Any, Optional, Sequence
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+__all__ = ["explicit", "gathered", "in_whole_blocks", "permuted", "shards"]
+
 
 def explicit(x: Any) -> Optional[NamedSharding]:
     """The sharding in ``x``'s type (an array or an abstract value) where its mesh has

@@ -73,8 +73,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp_policy import formats
-from jmp_policy.autocast import _sharding
-from jmp_policy.low_precision import (
+from jmp_policy import sharding as _sharding
+from jmp_policy.optim._low_precision import (
     ROUNDINGS, Seed, _check_choice, _key_data, _refuse_inner_loss_scaling, _step_seed)
 
 BITS = (8, 4)

@@ -21,7 +21,6 @@ rescaled in float32 and returned in the compute dtype, as the matmul class retur
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Optional, Sequence
 
@@ -29,68 +28,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import layout as xla_layout
-from jax.extend.core import JaxprEqn
 from jax.sharding import NamedSharding
 
-from jmp_policy.autocast import _sharding
-from jmp_policy.autocast._block_matmul import Blocks
-from jmp_policy.autocast._fp8 import (
-    RAGGED,
+from jmp_policy import sharding as _sharding
+from jmp_policy.float8._recipe import (
     Float8Recipe,
-    eligible,
-    group_ids,
-    native_block_products,
-    operand_dtypes,
-    quantize,
-    quantize_delayed,
-    quantize_groups,
 )
-from jmp_policy.autocast._delayed import AmaxHistory
-from jmp_policy.autocast._interpreter import Context, MatmulRule
-from jmp_policy.autocast._lattice import F32, DType
-from jmp_policy.autocast._matmul import matmul
-from jmp_policy.autocast._product import Contraction, DenseAxes, quantized_product
+from jmp_policy.float8._quantize import group_ids, quantize, quantize_delayed, quantize_groups
+from jmp_policy.dtypes import F32, DType
+from jmp_policy.float8._product import Contraction, DenseAxes
 
 Quantized = tuple[jax.Array, jax.Array]
 """A float8 operand and its float32 scale, as `quantize` returns them."""
-
-
-FLOAT8_PRODUCTS = "float8 products"
-"""What `float8_matmul` tallies in the `Context`: one per product it runs in float8."""
-
-
-@functools.lru_cache(maxsize=None)  # one rule per recipe: rewrites are reused by rule
-def float8_matmul(recipe: Float8Recipe) -> MatmulRule:
-    """The ``Context.matmul`` rule running the products ``recipe`` selects in float8.
-
-    Other matrix work (excluded scopes, small or integer products,
-    convolutions) goes to the default `matmul` rule.
-    """
-    def rule(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
-        if not eligible(recipe, eqn, ctx.scope):
-            return matmul(ctx, eqn, invals)
-        ctx.tally(FLOAT8_PRODUCTS)
-        # Block products: native or emulated, decided when tracing, from the backend;
-        # ragged ones have no native product in JAX.
-        scheme = (Blocks(recipe, native_block_products(recipe) and eqn.primitive.name != RAGGED)
-                  if recipe.blocks else Float8(recipe))
-        history = _history(ctx) if recipe.delayed else None
-        return quantized_product(eqn, recipe, scheme, operand_dtypes(recipe, ctx.scope),
-                                 ctx.compute, *invals, history=history)
-
-    return rule
-
-
-def _history(ctx: Context) -> AmaxHistory:
-    """The amax history of the delayed-scaling product ``ctx`` is at."""
-    if ctx.float8_slots is None:
-        raise TypeError(
-            f"The product under {ctx.scope!r} has a delayed-scaling Float8Recipe, whose "
-            "scales come from amax histories that only jmp_policy.autocast passes in (as its "
-            "function's first argument, a jmp_policy.Float8State). Use autocast, or a current "
-            "scaling (fp8='tensorwise').")
-    history: AmaxHistory = ctx.float8_slots.take(ctx.scope)
-    return history
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,7 +55,12 @@ import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
+import numpy as np
 from jax.extend import source_info_util
+from jax.extend.core import ClosedJaxpr
+
+__all__ = ["Call", "NnxState", "Path", "as_callable", "as_data", "call", "is_array", "is_nnx",
+           "is_tracer", "module_paths", "module_scopes", "nnx_state", "write_back"]
 
 
 def _nnx() -> Any:
@@ -387,3 +392,105 @@ def _name_stack(trace: _Trace, path: Path, suffix: str) -> Any:
     for part in parts:
         stack = stack.extend(part)
     return stack
+
+
+# --- One call of a function on modules and arrays ------------------------------------------
+
+def is_array(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+@dataclasses.dataclass
+class Call:
+    """One call of an autocast function: its leaves, which of them are traced, NNX state.
+
+    Attributes:
+      leaves: the leaves of ``(fn, args, kwargs)``, NNX objects as leaves.
+      treedef: their tree.
+      nnx: the NNX objects among the leaves, split (``None`` if there are none).
+      dynamic: positions of the traced values among ``leaves + nnx state leaves``.
+      values: the traced values, in that order.
+    """
+
+    leaves: list[Any]
+    treedef: Any
+    nnx: Optional[NnxState]
+    state_treedef: Any
+    dynamic: list[int]
+    values: list[Any]
+    out_tree: Any = None
+    static_outs: Optional[list[Any]] = None
+    n_state: int = 0
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+        leaves, treedef = jax.tree_util.tree_flatten(
+            (as_data(fn), tuple(args), kwargs), is_leaf=is_nnx)
+        nnx = NnxState.split(leaves)
+        state_leaves, state_treedef = jax.tree_util.tree_flatten(nnx.state if nnx else ())
+        everything = [*leaves, *state_leaves]
+        dynamic = [i for i, leaf in enumerate(everything)
+                   if is_array(leaf) and not is_nnx(leaf)]
+        return cls(leaves, treedef, nnx, state_treedef, dynamic, [everything[i] for i in dynamic])
+
+    def trace(self) -> ClosedJaxpr:
+        """``fn`` as a jaxpr of the traced values; outputs, then the NNX state it leaves."""
+        return jax.make_jaxpr(self._flat)(*self.values)
+
+    def rebuild(self, values: Sequence[Any]) -> tuple[Any, Any, Any, tuple[Any, ...]]:
+        """``(callee, args, kwargs, NNX objects)`` with ``values`` for the traced leaves.
+
+        NNX objects are fresh copies holding the values (see `NnxState`);
+        the caller's objects are left alone.
+        """
+        everything = [*self.leaves, *jax.tree_util.tree_leaves(self.nnx.state if self.nnx else ())]
+        for i, v in zip(self.dynamic, values):
+            everything[i] = v
+        leaves, state_leaves = everything[:len(self.leaves)], everything[len(self.leaves):]
+        objects: tuple[Any, ...] = ()
+        if self.nnx is not None:
+            state = jax.tree_util.tree_unflatten(self.state_treedef, state_leaves)
+            objects = self.nnx.merged(leaves, state)
+        callee, args, kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
+        return callee, args, kwargs, objects
+
+    def dynamic_in(self, position: int) -> list[int]:
+        """The indices in `values` of the traced leaves inside positional argument ``position``."""
+        callee, args, _ = jax.tree_util.tree_unflatten(self.treedef, self.leaves)
+        count = functools.partial(_leaf_count, is_leaf=is_nnx)
+        start = count(callee) + sum(count(a) for a in args[:position])
+        inside = set(range(start, start + count(args[position])))
+        objects = ({k for k, i in enumerate(self.nnx.positions) if i in inside}
+                   if self.nnx is not None else set())
+        state_paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(
+            self.nnx.state if self.nnx else ())[0]]
+        owners = [_first_key(path) for path in state_paths]  # which NNX object holds a leaf
+        n = len(self.leaves)
+        return [k for k, i in enumerate(self.dynamic)
+                if i in inside or (i >= n and owners[i - n] in objects)]
+
+    def _flat(self, *values: Any) -> list[Any]:
+        callee, args, kwargs, objects = self.rebuild(values)
+        with module_scopes([callee, args, kwargs]):
+            out = call(callee, args, kwargs)
+        out_leaves, self.out_tree = jax.tree_util.tree_flatten(out)
+        new_state: list[Any] = (jax.tree_util.tree_leaves(nnx_state(objects))
+                                if objects else [])
+        self.n_state = len(new_state)
+        everything = [*out_leaves, *new_state]
+        self.static_outs = [None if is_array(x) or is_tracer(x) else x for x in everything]
+        return [x for x in everything if is_array(x) or is_tracer(x)]
+
+
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _leaf_count(tree: Any, is_leaf: Callable[[Any], bool]) -> int:
+    return len(jax.tree_util.tree_leaves(tree, is_leaf=is_leaf))
+
+
+def _first_key(path: Sequence[Any]) -> Any:
+    key = path[0]
+    return getattr(key, "key", getattr(key, "idx", key))

@@ -43,14 +43,15 @@ import numpy as np
 from jax.core import Tracer
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from jmp_policy.autocast import _modules
-from jmp_policy.autocast._api import _Call, autocast
-from jmp_policy.autocast._fp8 import Float8Like, Float8Recipe, as_recipe
-from jmp_policy.autocast._inspect import (
+from jmp_policy.autocast import modules as _modules
+from jmp_policy.autocast import autocast
+from jmp_policy.autocast.modules import Call
+from jmp_policy.float8 import Float8Like, Float8Recipe, as_recipe
+from jmp_policy.inspector._observer import (
     HostSink, Observer, Registry, dead_equations, display_scope, observe, phase_of, rel_error)
-from jmp_policy.autocast._interpreter import higher_order_names
-from jmp_policy.autocast._lattice import F32, is_floating
-from jmp_policy.autocast._rules import parse_rules
+from jmp_policy.autocast.interpreter import higher_order_names
+from jmp_policy.dtypes import F32, is_floating
+from jmp_policy.autocast.rules import parse_rules
 from jmp_policy.policy import Policy, PolicyLike, as_policy
 
 Phase = Literal["forward", "backward"]
@@ -217,9 +218,9 @@ class NumericsReport(SequenceABC[NumericsRow]):
         range shows a scope that overflows or underflows in it. Scopes with
         overflowing operations are drawn in red. Needs matplotlib.
         """
-        from jmp_policy._numerics_plot import plot_ranges
+        from jmp_policy.inspector._plot import plot_ranges, scope_ranges
 
-        plot_ranges(_scope_ranges(self._rows), path, title=_title(self._meta))
+        plot_ranges(scope_ranges(self._rows), path, title=_title(self._meta))
 
     def suggest_rules(self) -> dict[str, Any]:
         """Autocast ``rules`` that keep the scopes of overflowing operations in float32.
@@ -314,7 +315,7 @@ def inspect_numerics(
 
     @functools.wraps(fn)
     def inspect(*args: Any, **kwargs: Any) -> NumericsReport:
-        call = _Call.of(fn, args, kwargs)
+        call = Call.of(fn, args, kwargs)
         if any(isinstance(x, Tracer) for x in call.values):
             raise TypeError(
                 f"inspect_numerics({name}) was called with traced values: it builds its "
@@ -433,7 +434,7 @@ def _argnums(argnums: Argnums) -> Optional[tuple[int, ...]]:
     return numbers
 
 
-def _differentiated(positions: Optional[tuple[int, ...]], args: tuple[Any, ...], call: _Call,
+def _differentiated(positions: Optional[tuple[int, ...]], args: tuple[Any, ...], call: Call,
                     name: str) -> Optional[list[int]]:
     """The indices in ``call.values`` of the floating arrays of the arguments at ``positions``."""
     if positions is None:
@@ -456,7 +457,7 @@ def _differentiated(positions: Optional[tuple[int, ...]], args: tuple[Any, ...],
     return sorted(wrt)
 
 
-def _program_jaxpr(call: _Call, wrt: Optional[list[int]], policy: Policy,
+def _program_jaxpr(call: Call, wrt: Optional[list[int]], policy: Policy,
                    rules: Optional[Mapping[str, Any]], recipe: Optional[Float8Recipe],
                    name: str) -> ClosedJaxpr:
     """The program to inspect: ``autocast(fn)``, or its value and gradients, as a jaxpr of a
@@ -645,30 +646,3 @@ def _cell(value: Any) -> str:
 
 
 # --- Ranges for the plot -------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class ScopeRange:
-    """The float32 dynamic range of one scope in one phase, for `NumericsReport.plot`."""
-
-    label: str
-    smallest: float
-    largest: float
-    phase: Phase
-    overflow: bool
-
-
-def _scope_ranges(rows: Sequence[NumericsRow]) -> list[ScopeRange]:
-    ranges: dict[tuple[str, Phase], ScopeRange] = {}
-    for r in rows:
-        if r.float32_min is None:
-            continue
-        key = (r.scope or "(no scope)", r.phase)
-        old = ranges.get(key)
-        if old is None:
-            ranges[key] = ScopeRange(key[0], r.float32_min, r.float32_max, r.phase,
-                                     r.overflow > 0)
-        else:
-            ranges[key] = ScopeRange(key[0], min(old.smallest, r.float32_min),
-                                     max(old.largest, r.float32_max), r.phase,
-                                     old.overflow or r.overflow > 0)
-    return list(ranges.values())

@@ -24,8 +24,8 @@ from flax import nnx
 from jax import lax
 
 import jmp_policy
-from jmp_policy.autocast._delayed import Float8State, empty_history
-from jmp_policy.autocast._fp8 import Float8Like, Float8Recipe, as_recipe
+from jmp_policy.float8 import Float8State, empty_history
+from jmp_policy.float8 import Float8Like, Float8Recipe, as_recipe
 from jmp_policy.policy import Policy, PolicyLike, as_policy
 
 FLOAT8_HISTORIES = "float8_histories"

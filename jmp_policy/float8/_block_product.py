@@ -28,10 +28,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 
-from jmp_policy.autocast import _blocks, _sharding
-from jmp_policy.autocast._fp8 import Float8Recipe, group_ids
-from jmp_policy.autocast._lattice import F32, DType, convert
-from jmp_policy.autocast._product import Contraction
+from jmp_policy import sharding as _sharding
+from jmp_policy.float8 import _blocks
+from jmp_policy.float8._recipe import Float8Recipe
+from jmp_policy.float8._quantize import group_ids
+from jmp_policy.dtypes import F32, DType, convert
+from jmp_policy.float8._product import Contraction
 
 _HIGHEST = lax.Precision.HIGHEST
 

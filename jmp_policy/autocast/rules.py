@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
 from typing import Any, Collection, Literal, Mapping, Optional
 
 from jax.extend.core import Primitive
 
-from jmp_policy.autocast._lattice import has_float32_range
+from jmp_policy.dtypes import has_float32_range
+from jmp_policy.paths import scope_names
+
+__all__ = ["AutocastWarning", "Class", "FLOAT32_PRIMITIVES", "FOLLOW_PRIMITIVES",
+           "INDEPENDENT", "MATMUL_PRIMITIVES", "RANGE_PRIMITIVES", "Rules", "TRACED_DTYPES",
+           "parse_rules"]
 
 Class = Literal["matmul", "float32", "follow"]
 
@@ -184,18 +188,6 @@ class Rules:
 
 def _near(scope: str, names: set[str]) -> list[str]:
     return [m for part in scope.split("/") for m in difflib.get_close_matches(part, names, n=2)]
-
-
-_TRANSFORMS = re.compile(r"^(?:\w+\()+|\)+$")
-
-
-def scope_names(path: str) -> list[str]:
-    """The ``jax.named_scope`` names in a name-stack path, without JAX's transformations.
-
-    JAX wraps the scopes a transformation traced in its name
-    (``transpose(jvp(block))``); a float32 scope matches those equations too.
-    """
-    return [name for name in (_TRANSFORMS.sub("", part) for part in path.split("/")) if name]
 
 
 def _contains(parts: list[str], run: list[str]) -> bool:

@@ -14,6 +14,7 @@ dtype(bfloat16)
 
 from __future__ import annotations
 
+import numbers
 import contextlib
 import dataclasses
 import functools
@@ -22,11 +23,14 @@ import warnings
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, ParamSpec, TypeVar, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jmp_policy import _casting, _dtypes
+from jmp_policy import dtypes as _dtypes
+from jmp_policy.policy import _casting
 from jmp_policy import loss_scale as _ls
+from jmp_policy.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -110,7 +114,7 @@ def _concrete_float(x: Any, what: str) -> float:
 
 def _loss_scale_config(loss_scale: Any) -> _LossScaleConfig:
     """The configuration of a ``loss_scale=`` argument (anything `loss_scaling` accepts)."""
-    ls = _ls.as_loss_scale(loss_scale)
+    ls = as_loss_scale(loss_scale)
     if isinstance(ls, _ls.NoOpLossScale):
         return _NO_SCALING
     if isinstance(ls, _ls.StaticLossScale):
@@ -328,7 +332,7 @@ class Policy:
         output_dtype: Optional[DTypeLike] = None,
         *,
         name: Optional[str] = None,
-        loss_scale: _ls.LossScaleLike = _UNSET,
+        loss_scale: LossScaleLike = _UNSET,
         _loss_scale: Optional[_LossScaleConfig] = None,
     ) -> None:
         # ``_loss_scale`` is the field as ``dataclasses.replace`` passes it back (jmp's
@@ -578,3 +582,48 @@ def policy_scope(policy: PolicyLike) -> Iterator[Policy]:
         yield new
     finally:
         stack.pop()
+
+
+# --- Loss scales named by policies ----------------------------------------------------------
+
+LossScaleLike = Union[LossScale, "Policy", str, float, jax.Array, np.ndarray, None]
+
+
+def as_loss_scale(loss_scale: Any) -> LossScale:
+    """The loss-scale object meant by a ``loss_scale=`` argument.
+
+    ``"dynamic"`` (a default `DynamicLossScale`), a number or a 0-d array (a
+    `StaticLossScale`), ``None`` (`NoOpLossScale`), a `jmp_policy.Policy` or a
+    policy name (its loss scale) or a loss-scale object (returned as it is).
+
+    >>> as_loss_scale(128.0)
+    StaticLossScale(loss_scale=np.float32(128.0))
+    >>> as_loss_scale("mixed_bfloat16")
+    NoOpLossScale()
+    """
+    if loss_scale is None:
+        return NoOpLossScale()
+    if isinstance(loss_scale, (NoOpLossScale, StaticLossScale, DynamicLossScale)):
+        return loss_scale
+    if isinstance(loss_scale, Policy):
+        return loss_scale.loss_scale
+    if isinstance(loss_scale, str):
+        if loss_scale == "dynamic":
+            return DynamicLossScale()
+        try:
+            return Policy(loss_scale).loss_scale
+        except ValueError as error:
+            raise ValueError(f"Unknown loss_scale {loss_scale!r}: {_FORMS}. As a policy name: "
+                             f"{error}") from None
+    is_number = isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, bool)
+    is_array = (isinstance(loss_scale, (np.ndarray, np.generic, jax.Array))
+                and np.ndim(loss_scale) == 0 and jnp.issubdtype(loss_scale.dtype, jnp.number))
+    if is_number or is_array:
+        return StaticLossScale(loss_scale)
+    raise TypeError(f"loss_scale must be one of: {_FORMS}; got {loss_scale!r} of type "
+                    f"{type(loss_scale).__name__}.")
+
+
+_FORMS = ("'dynamic', a number (a static scale), None (no scaling), a jmp_policy.Policy or "
+          "policy name such as 'mixed_float16', or a NoOpLossScale / StaticLossScale / "
+          "DynamicLossScale")

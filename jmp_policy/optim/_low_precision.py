@@ -52,7 +52,7 @@ import numpy as np
 import optax
 
 from jmp_policy import formats
-from jmp_policy.transform import _loss_scaling_states
+from jmp_policy.optim._loss_scaling import _loss_scaling_states
 
 Seed = Union[int, jax.Array]
 

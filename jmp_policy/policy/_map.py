@@ -22,8 +22,10 @@ from typing import Any, Callable, Concatenate, Mapping, ParamSpec, Sequence, Typ
 import jax
 import numpy as np
 
-from jmp_policy import _casting, _rules
-from jmp_policy.policy import Policy, PolicyLike, as_policy, check_callable
+from jmp_policy.paths import path_str
+from jmp_policy.policy import _rules
+from jmp_policy.policy import _casting
+from jmp_policy.policy._policy import Policy, PolicyLike, as_policy, check_callable
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -81,7 +83,7 @@ class PolicyMap:
     def policy_for(self, path: Union[str, Sequence[Any]]) -> Policy:
         """The policy of the leaf at ``path`` (a ``/``-joined string or a jax key path)."""
         if not isinstance(path, str):
-            path = _casting.path_str(path)
+            path = path_str(path)
         return next((r.policy for r in self._compiled if r.matcher.search(path)), self.default)
 
     def cast_to_param(self, tree: T) -> T:
@@ -118,7 +120,7 @@ class PolicyMap:
             return self._by_structure[treedef]
         except KeyError:
             pass
-        paths = [_casting.path_str(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        paths = [path_str(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
         if paths:  # a tree without leaves has nothing to match
             unmatched = [n for n, rule in enumerate(self._compiled)
                          if not any(rule.matcher.search(path) for path in paths)]
