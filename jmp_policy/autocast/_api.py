@@ -28,6 +28,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from jmp_policy.policy import UnmatchedRuleWarning
+from jmp_policy.autocast import _eager
 from jmp_policy.autocast import modules as _modules
 from jmp_policy.autocast.modules import Call
 from jmp_policy.float8 import Float8State, Slots, make_state
@@ -153,6 +154,8 @@ class _Settings:
     rules: Rules
     recipe: Optional[Float8Recipe]
     name: str
+    programs: _eager.Programs = dataclasses.field(
+        default_factory=_eager.Programs, compare=False, repr=False)
 
     def dtypes(self, values: Sequence[Any]) -> tuple[DType, DType]:
         """The compute and output dtypes of a call with array leaves ``values``."""
@@ -270,6 +273,14 @@ def float8_state(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Float8Sta
 
 def _evaluate(closed: ClosedJaxpr, settings: _Settings, values: Sequence[Any],
               slots: Optional[Slots] = None) -> list[Any]:
+    if slots is None and not _eager.staged([*values, *closed.consts]):
+        return settings.programs.run(functools.partial(_interpret, settings=settings),
+                                     closed, values)
+    return _interpret(closed, values, settings, slots)
+
+
+def _interpret(closed: ClosedJaxpr, values: Sequence[Any], settings: _Settings,
+               slots: Optional[Slots] = None) -> list[Any]:
     compute, _ = settings.dtypes(values)
     rule = matmul if settings.recipe is None else float8_matmul(settings.recipe)
     ctx = Context(compute, settings.rules.under(compute), rule, float8_slots=slots)

@@ -13,15 +13,18 @@ of the call, so a product autocast would keep out of float8 stays out here too.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import warnings
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
 from jax import lax
 from jax.extend import source_info_util
 
+from jmp_policy.autocast import _eager
 from jmp_policy.autocast._api import _Settings
 from jmp_policy.float8 import (
     SCALINGS,
@@ -112,6 +115,11 @@ def dot_general(policy: PolicyLike = None, *, fp8: Float8Like = None) -> DotGene
     return DotGeneral(as_policy(policy), recipe)
 
 
+# Eager products compiled whole, per dot_general function and scope (see ``_eager``).
+_PROGRAMS: collections.defaultdict[tuple[Any, str], _eager.Programs] = \
+    collections.defaultdict(_eager.Programs)
+
+
 @dataclasses.dataclass(frozen=True)
 class DotGeneral:
     """A ``lax.dot_general`` running as autocast runs a product (see `dot_general`)."""
@@ -138,18 +146,27 @@ class DotGeneral:
         if not (is_floating(lhs) or is_floating(rhs)):  # integer products: JAX's own
             return product(lhs, rhs)
         closed = jax.make_jaxpr(product)(lhs, rhs)  # JAX's own errors for bad arguments
-        compute, _ = settings.dtypes([lhs, rhs])
-        rule = matmul if self.recipe is None else float8_matmul(self.recipe)
         scope = str(source_info_util.current_name_stack())
-        ctx = Context(compute, _RULES, rule, scope=scope)
         if self.recipe is not None:
             self._check_precision(closed, scope, precision)
-        out = eval_jaxpr(ctx, closed.jaxpr, closed.consts, [lhs, rhs])[0]
-        if self.recipe is not None and not ctx.tallied(FLOAT8_PRODUCTS):
-            self._warn_compute_dtype(closed, scope, compute)
+        evaluate = functools.partial(self._evaluate, scope=scope)
+        if _eager.staged([lhs, rhs]):
+            out = evaluate(closed, [lhs, rhs])[0]
+        else:
+            out = _PROGRAMS[self, scope].run(evaluate, closed, [lhs, rhs])[0]
         if preferred_element_type is not None:
             out = convert(out, np.dtype(preferred_element_type))
         return out
+
+    def _evaluate(self, closed: Any, values: Sequence[Any], scope: str) -> list[Any]:
+        compute, _ = _Settings(self.policy, _RULES, self.recipe, "").dtypes(values)
+        rule = matmul if self.recipe is None else float8_matmul(self.recipe)
+        ctx = Context(compute, _RULES, rule, scope=scope)
+        out = eval_jaxpr(ctx, closed.jaxpr, closed.consts, values)
+        if self.recipe is not None and not ctx.tallied(FLOAT8_PRODUCTS):
+            self._warn_compute_dtype(closed, scope, compute)
+        out_list: list[Any] = out
+        return out_list
 
     def _check_precision(self, closed: Any, scope: str, precision: Any) -> None:
         """A ``precision`` that a float8 product cannot honour warns: it is not silently dropped."""

@@ -1,0 +1,69 @@
+"""Eager calls compiled whole: one program per traced function and input signature.
+
+Called outside ``jit``, an evaluation binds every primitive it produces one by
+one, and JAX compiles a program for each: a float8 product's quantization alone
+is dozens. `Programs.run` instead runs an evaluation as one ``jax.jit`` program,
+kept while the function traces to the same jaxpr. Under ``jit``, ``make_jaxpr``
+or a loop body the evaluation is traced into the caller's program as before;
+under eager ``grad`` or ``vmap`` the program is differentiated or batched as a
+whole, as JAX does with any jitted function.
+
+>>> import jax.numpy as jnp, jmp_policy
+>>> f = jmp_policy.autocast(lambda x, w: jnp.tanh(x @ w), "mixed_bfloat16", fp8="tensorwise")
+>>> f(jnp.ones((16, 32)), jnp.ones((32, 16))).dtype   # one compiled program, not one per op
+dtype(bfloat16)
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.extend.core import ClosedJaxpr
+
+Evaluate = Callable[[ClosedJaxpr, Sequence[Any]], list[Any]]
+
+# Programs kept per function: the traced jaxpr differs when shapes, dtypes or the
+# function's Python choices differ; a bound keeps a function called on ever new
+# shapes from holding every program it ever compiled.
+_KEPT = 16
+
+
+def staged(values: Sequence[Any]) -> bool:
+    """Whether any of ``values`` is being traced into a jaxpr (``jit``, ``make_jaxpr``,
+    a loop body), at any depth of ``grad``/``vmap`` tracers around it."""
+    for x in values:
+        while isinstance(x, jax.core.Tracer):
+            if type(x).__name__ == "DynamicJaxprTracer":
+                return True
+            x = getattr(x, "primal", getattr(x, "val", None))
+    return False
+
+
+class Programs:
+    """Compiled evaluations, by the text of the jaxpr they evaluate; the oldest dropped."""
+
+    def __init__(self) -> None:
+        self._programs: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+    def run(self, evaluate: Evaluate, closed: ClosedJaxpr, values: Sequence[Any]) -> list[Any]:
+        """``evaluate(closed, values)``, compiled once for this jaxpr and input signature.
+
+        The jaxpr's constants are arguments of the program, so a function closing
+        over new values of the same types reuses it.
+        """
+        key = str(closed.jaxpr)
+        program = self._programs.pop(key, None)
+        if program is None:
+            jaxpr = closed.jaxpr
+
+            def whole(consts: list[Any], values: list[Any]) -> list[Any]:
+                return evaluate(ClosedJaxpr(jaxpr, consts), values)
+
+            program = jax.jit(whole)
+        self._programs[key] = program
+        while len(self._programs) > _KEPT:
+            self._programs.popitem(last=False)
+        out: list[Any] = program(list(closed.consts), list(values))
+        return out
