@@ -6,11 +6,14 @@ Directives, written as HTML comments on a line of their own in a page:
     Every benchmark report in ``benchmarks/results/*.json`` (the files the
     benchmark scripts write; smoke runs, ``*.quick.json`` / ``*.smoke.json``,
     are left out) as markdown: provenance (command, date, commit, device,
-    versions) and tables. Nothing on the Benchmarks page is copied by hand.
+    versions) and tables, less the tables that ``benchmark:`` directives of
+    the same page already show (a report they show whole is left out). Each
+    report's heading has the anchor ``report-<file name>`` (non-word
+    characters as ``-``). Nothing on the Benchmarks page is copied by hand.
 
 ``<!-- benchmark: FILE TABLE_ID [TABLE_ID ...] -->``
     The named tables of one report (``FILE`` relative to
-    ``benchmarks/results/``), with a line of provenance. A report that is not
+    ``benchmarks/results/``), with a line of provenance naming the file. A report that is not
     in this checkout becomes a note saying how to measure it; a table id that
     the report does not have is a build warning (an error under ``--strict``).
 
@@ -95,7 +98,12 @@ def _device(env: dict[str, Any]) -> str:
     return text
 
 
-def provenance(payload: dict[str, Any], *, short: bool = False) -> str:
+def report_anchor(path: str) -> str:
+    """The anchor of a report's heading on the Benchmarks page."""
+    return "report-" + re.sub(r"[^\w-]", "-", os.path.basename(path).removesuffix(".json"))
+
+
+def provenance(payload: dict[str, Any], *, short: bool = False, name: str = "") -> str:
     """Where, when, with what and by which command a report was measured."""
     env = payload.get("environment", {})
     commit = env.get("git_commit") or "unknown"
@@ -106,7 +114,8 @@ def provenance(payload: dict[str, Any], *, short: bool = False) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in ours.items()) or "not recorded"
     command = payload.get("command", "?")
     if short:
-        return (f"<small>Measured {date} on {_device(env)}, commit `{commit}`{dirty}; "
+        report = f"Report `{name}` (`benchmarks/results/`), measured" if name else "Measured"
+        return (f"<small>{report} {date} on {_device(env)}, commit `{commit}`{dirty}; "
                 f"{versions}. Command: `{command}`. All reports: [Benchmarks](benchmarks.md).</small>")
     host = []
     if env.get("host_cpus"):
@@ -137,15 +146,21 @@ def _table(payload: dict[str, Any], table: dict[str, Any], level: str = "####") 
     return out
 
 
-def render_report(payload: dict[str, Any], path: str) -> str:
+def render_report(payload: dict[str, Any], path: str, skip: frozenset[str] = frozenset()) -> str:
+    """A whole report, less the tables ``skip`` names ("" if that leaves none)."""
     name = os.path.basename(path)
-    out = [f"### {payload['benchmark']}: `{name}`", ""]
+    tables = [t for t in payload.get("tables", []) if t["id"] not in skip]
+    if skip and not tables:
+        return ""
+    out = [f"### {payload['benchmark']}: `{name}` {{ #{report_anchor(path)} }}", ""]
     if payload.get("description"):
         out += [payload["description"], ""]
     out += [provenance(payload), ""]
     if payload.get("notes"):
         out += ["Notes:", ""] + [f"- {note}" for note in payload["notes"]] + [""]
-    for table in payload.get("tables", []):
+    if skip:
+        out += [f"Tables shown earlier on this page: {', '.join(sorted(skip))}.", ""]
+    for table in tables:
         out += _table(payload, table)
     if payload.get("failed"):
         out += ["Did not run:", ""] + [f"- {f['name']}: `{f['error']}`" for f in payload["failed"]]
@@ -153,7 +168,9 @@ def render_report(payload: dict[str, Any], path: str) -> str:
     return "\n".join(out)
 
 
-def render_all_reports() -> str:
+def render_all_reports(shown: dict[str, set[str]] | None = None) -> str:
+    """Every report; ``shown``: the tables of each file already on the page."""
+    shown = shown or {}
     files = report_files()
     if not files:
         return ("!!! note \"No reports\"\n    No benchmark report in `benchmarks/results/`: "
@@ -177,8 +194,13 @@ def render_all_reports() -> str:
     ]:
         if not group:
             continue
+        rendered = [render_report(r, p, frozenset(shown.get(os.path.basename(p), ())))
+                    for p, r in group]
+        rendered = [text for text in rendered if text]
+        if not rendered:
+            continue
         out += [f"## {title}", "", intro, ""]
-        out += [render_report(r, p) for p, r in group]
+        out += rendered
     return "\n".join(out)
 
 
@@ -204,7 +226,7 @@ def render_tables(spec: str) -> str:
                         name, table_id, ", ".join(tables))
             continue
         out += _table(payload, tables[table_id], level="#####")
-    out += [provenance(payload, short=True), ""]
+    out += [provenance(payload, short=True, name=name), ""]
     return "\n".join(out)
 
 
@@ -245,10 +267,16 @@ def render_example(spec: str) -> str:
 # --------------------------------------------------------------------------- #
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    shown: dict[str, set[str]] = {}
+    for match in DIRECTIVE.finditer(markdown):
+        if match.group(1) == "benchmark":
+            name, *ids = (match.group(2) or "").split()
+            shown.setdefault(name, set()).update(ids)
+
     def replace(match: re.Match[str]) -> str:
         kind, arg = match.group(1), match.group(2) or ""
         if kind == "benchmarks":
-            return render_all_reports()
+            return render_all_reports(shown)
         if kind == "benchmark":
             return render_tables(arg)
         if kind == "api-index":

@@ -264,3 +264,25 @@ def test_readme_train_step_is_the_getting_started_one():
 def test_examples_page_figures_exist():
     for name in re.findall(r"\]\((img/[^)]+)\)", (DOCS / "examples.md").read_text()):
         assert (DOCS / name).exists(), name
+
+
+def test_fp8_accuracy_tables_match_their_reports():
+    """The accuracy tables typed into docs/fp8.md: each figure as its report has it."""
+    text = (DOCS / "fp8.md").read_text()
+    results = ROOT / "benchmarks" / "results"
+    for header, report in [("| recipe | held-out", "bench_fp8_training_gelu_bf16.json"),
+                           ("| recipe, 300 steps |", "bench_fp8_training_blocks.json")]:
+        assert f"--json benchmarks/results/{report}" in text, report  # its command is shown
+        table = json.loads((results / report).read_text())["tables"][0]
+        figures = {r["name"]: r["figures"] for r in table["rows"]}
+        base = figures[table["baseline"]]
+        rows = _table_rows(text, header)
+        assert len(rows) >= 4
+        for name, held, held_pct, train, train_pct in rows:
+            got = figures[name.strip("`\"")]
+            assert float(held) == round(got["held_out_bpb"], 3), (report, name)
+            assert float(train) == round(got["train_bpb"], 3), (report, name)
+            for pct, key in [(held_pct, "held_out_bpb"), (train_pct, "train_bpb")]:
+                expected = 100 * (got[key] / base[key] - 1)
+                assert (pct == "" if got is base else
+                        pct == f"{expected:+.1f}%"), (report, name, pct, expected)
