@@ -290,7 +290,7 @@ def public_names() -> dict[str, list[str]]:
     """``__all__`` of the public modules, read from their source (nothing is imported)."""
     out = {}
     for module, path in [("jmp_policy", "jmp_policy/__init__.py"),
-                         ("jmp_policy.flax", "jmp_policy/flax.py"),
+                         ("jmp_policy.flax", "jmp_policy/flax/__init__.py"),
                          ("jmp_policy.autocast", "jmp_policy/autocast/__init__.py"),
                          ("jmp_policy.formats", "jmp_policy/formats.py")]:
         with open(os.path.join(ROOT, path)) as f:
@@ -321,8 +321,8 @@ def render_api_index() -> str:
 
     package = griffe.load("jmp_policy", search_paths=[ROOT], resolve_aliases=True,
                           resolve_external=False)
-    titles = {"policies.md": 0, "loss-scaling.md": 1, "autocast.md": 2, "inspector.md": 3,
-              "low-precision.md": 4, "formats.md": 5, "flax.md": 6}
+    titles = {"policies.md": 0, "loss-scaling.md": 1, "low-precision.md": 2, "float8.md": 3,
+              "autocast.md": 4, "inspector.md": 5, "formats.md": 6, "flax.md": 7}
     out = []
     pages = sorted(glob.glob(os.path.join(ROOT, "docs", "api", "*.md")),
                    key=lambda p: (titles.get(os.path.basename(p), 99), p))
