@@ -9,8 +9,8 @@ steps in a row and shrinks whenever a step overflows.
 The three classes have DeepMind jmp's signatures and pytree layout, so code
 written for ``jmp`` runs unchanged, with jmp's known bugs fixed:
 
-* the scale is always a float32 scalar (a float16 ``2.0**15`` used to overflow
-  when it grew), and ``scale``/``unscale`` keep every leaf's dtype;
+* the scale is always a float32 scalar (a float16 ``2.0**15`` overflows when
+  it grows), and ``scale``/``unscale`` keep every leaf's dtype;
 * ``period``, ``factor``, ``min_loss_scale`` and ``max_loss_scale`` are static
   pytree data, so they survive ``jit``, ``tree_map`` and checkpointing;
 * a dynamic scale never becomes inf, 0 or NaN.

@@ -246,6 +246,7 @@ RIGHT_COMPOSITIONS = {
     "inject_hyperparams": lambda: optax.inject_hyperparams(lambda learning_rate: _ls(optax.sgd(learning_rate)))(learning_rate=0.1),
     "masked": lambda: optax.masked(_ls(optax.sgd(0.1)), {"w": True}),
     "nested chains": lambda: optax.chain(optax.chain(_ls(optax.sgd(0.1)), optax.identity()), optax.identity()),
+    "apply_if_finite inside": lambda: _ls(optax.apply_if_finite(optax.sgd(0.1), 3)),
 }
 
 # Compositions in which another transformation sees the scaled gradients first.
@@ -268,6 +269,12 @@ WRONG_COMPOSITIONS = {
         lambda: optax.inject_hyperparams(
             lambda learning_rate: optax.chain(optax.clip(1.0), _ls(optax.sgd(learning_rate))))(learning_rate=0.1),
         r"opt_state\.inner_state\[1\]"),
+    "apply_if_finite outside": (lambda: optax.apply_if_finite(_ls(optax.sgd(0.1)), 3),
+                                r"opt_state\.inner_state .*inside optax\.apply_if_finite.*"
+                                r"jmp_policy\.loss_scaling\(optax\.apply_if_finite\(inner"),
+    "apply_if_finite around a chain": (
+        lambda: optax.chain(optax.apply_if_finite(optax.chain(_ls(optax.sgd(0.1)), optax.identity()), 3)),
+        r"opt_state\[0\]\.inner_state\[0\] .*apply_if_finite"),
     "MultiSteps around a chain": (
         lambda: optax.chain(optax.MultiSteps(optax.chain(optax.identity(), _ls(optax.sgd(0.1))), every_k_schedule=3)),
         r"opt_state\[0\]\.inner_opt_state\[1\] .*MultiSteps"),
@@ -332,6 +339,25 @@ def test_multisteps_outside_loss_scaling_is_poisoned_by_one_overflow_and_refused
     assert not np.isfinite(state.acc_grads["w"]).any()
     with pytest.raises(ValueError, match=r"loss_scaling\(optax\.MultiSteps\(inner"):
         jmp_policy.get_loss_scale(state)
+
+
+def test_apply_if_finite_outside_loss_scaling_keeps_the_overflowing_scale_and_is_refused():
+    # What the refusal prevents: apply_if_finite skips the overflowing steps before
+    # loss_scaling sees them, so the scale that overflows is kept for the next step.
+    tx = optax.apply_if_finite(_ls(optax.sgd(1.0)), max_consecutive_errors=3)
+    state, upd = tx.init({"w": jnp.ones(2)}), jax.jit(tx.update)
+    for _ in range(3):
+        _, state = upd({"w": jnp.full(2, np.inf)}, state)
+    inner = state.inner_state  # the LossScalingState
+    assert float(inner.loss_scale.loss_scale) == 256.0 and int(inner.skipped_steps) == 0
+    with pytest.raises(ValueError, match=r"drop apply_if_finite"):
+        jmp_policy.get_loss_scale(state)
+    # Around it, each overflow halves the scale.
+    tx = _ls(optax.apply_if_finite(optax.sgd(1.0), max_consecutive_errors=3))
+    state, upd = tx.init({"w": jnp.ones(2)}), jax.jit(tx.update)
+    for _ in range(3):
+        _, state = upd({"w": jnp.full(2, np.inf)}, state)
+    assert float(jmp_policy.get_loss_scale(state).loss_scale) == 32.0
 
 
 def test_loss_scaling_around_multisteps_skips_only_the_overflowing_micro_step():
