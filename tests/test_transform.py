@@ -538,6 +538,36 @@ def test_axis_name_under_shard_map_types_both_branches_alike():
     assert int(state.skipped_steps) == 1 and float(state.loss_scale.loss_scale) == 4.0
 
 
+def test_axis_name_under_shard_map_keeps_each_leaf_varying_or_invariant():
+    # Per-device gradients ("a") next to replicated ones ("b"), and Adam moments of
+    # each: a skipped step's zero updates and kept moments must vary where the
+    # computed ones do, and only there (check_vma checks the outputs' specs).
+    mesh = jax.make_mesh((1,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = jax.sharding.PartitionSpec
+    tx = jmp_policy.loss_scaling(optax.adam(0.1), DynamicLossScale(8.0), axis_name="batch")
+    params = {"a": jnp.ones((2, 3)), "b": jnp.ones(3)}
+    state = tx.init(params)
+    per_leaf = lambda path, _: spec("batch") if "'a'" in jax.tree_util.keystr(path) else spec()
+    state_specs = jax.tree_util.tree_map_with_path(per_leaf, state)
+    tree_specs = {"a": spec("batch"), "b": spec()}
+
+    @jax.jit
+    def step(grads, state, params):
+        return jax.shard_map(tx.update, mesh=mesh, in_specs=(tree_specs, state_specs, tree_specs),
+                             out_specs=(tree_specs, state_specs), check_vma=True)(grads, state, params)
+
+    grads = {"a": jnp.full((2, 3), 8.0), "b": jnp.full(3, 8.0)}
+    updates, state = step(grads, state, params)
+    np.testing.assert_allclose(updates["b"], np.full(3, -0.1), rtol=1e-4)
+    before = state
+    updates, state = step({"a": grads["a"].at[0, 0].set(np.inf), "b": grads["b"]}, state, params)
+    assert all(np.array_equal(u, np.full_like(u, -0.0)) for u in jax.tree_util.tree_leaves(updates))
+    for kept, old in zip(jax.tree_util.tree_leaves(state.inner_state),
+                         jax.tree_util.tree_leaves(before.inner_state)):
+        np.testing.assert_array_equal(kept, old)
+    assert int(state.skipped_steps) == 1 and float(state.loss_scale.loss_scale) == 4.0
+
+
 def test_each_init_owns_its_loss_scale_buffers_under_donation():
     tx = jmp_policy.loss_scaling(optax.sgd(0.1), "dynamic")
     params = {"w": jnp.ones(3)}
