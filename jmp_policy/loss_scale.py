@@ -41,10 +41,10 @@ from jax.sharding import AxisType
 
 __all__ = [
     "DEFAULT_DYNAMIC",
+    "NO_SCALING",
     "DynamicLossScale",
     "LossScale",
     "LossScaleConfig",
-    "NO_SCALING",
     "NoOpLossScale",
     "StaticLossScale",
     "all_finite",
