@@ -9,8 +9,8 @@ steps in a row and shrinks whenever a step overflows.
 The three classes have DeepMind jmp's signatures and pytree layout, so code
 written for ``jmp`` runs unchanged, with jmp's known bugs fixed:
 
-* the scale is always a float32 scalar (a float16 ``2.0**15`` used to overflow
-  when it grew), and ``scale``/``unscale`` keep every leaf's dtype;
+* the scale is always a float32 scalar (a float16 ``2.0**15`` overflows when
+  it grows), and ``scale``/``unscale`` keep every leaf's dtype;
 * ``period``, ``factor``, ``min_loss_scale`` and ``max_loss_scale`` are static
   pytree data, so they survive ``jit``, ``tree_map`` and checkpointing;
 * a dynamic scale never becomes inf, 0 or NaN.
@@ -28,26 +28,30 @@ written for ``jmp`` runs unchanged, with jmp's known bugs fixed:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import warnings
-from typing import Any, Optional, TypeVar, Union
+from typing import Any, Hashable, Literal, Optional, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import functools
-from typing import Hashable
 from jax.sharding import AxisType
 
 __all__ = [
+    "DEFAULT_DYNAMIC",
+    "NO_SCALING",
     "DynamicLossScale",
     "LossScale",
+    "LossScaleConfig",
     "NoOpLossScale",
     "StaticLossScale",
     "all_finite",
+    "is_inexact",
+    "scale_leaves",
     "select_tree",
+    "unscaled_all_finite",
 ]
 
 T = TypeVar("T")
@@ -357,7 +361,124 @@ jax.tree_util.register_pytree_with_keys(
 #: The type to annotate loss-scale arguments with (as in jmp).
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
 
-#: Everything a ``loss_scale=`` argument accepts (see `as_loss_scale`).
+
+# ---------------------------------------------------------------------------
+# A loss scale's configuration, and its text form.
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleConfig:
+    """The static, hashable settings of a loss scale, and their text form.
+
+    A loss-scale object holds arrays; its configuration holds Python numbers,
+    so a `jmp_policy.Policy` can keep it as part of its value (compared,
+    hashed, and written in its name). ``str(config)`` is the form written after
+    ``loss_scale=`` in a policy name, and `LossScaleConfig.parse` reads it back.
+
+    >>> config = LossScaleConfig.of(DynamicLossScale(1024.0, period=100))
+    >>> str(config)
+    'dynamic(initial=1024.0;period=100;factor=2;min=1.0;max=none)'
+    >>> LossScaleConfig.parse(str(config)) == config
+    True
+    >>> LossScaleConfig.parse("128").build()
+    StaticLossScale(loss_scale=np.float32(128.0))
+    """
+
+    kind: Literal["none", "static", "dynamic"]
+    scale: float = 1.0
+    period: int = 2000
+    factor: Union[int, float] = 2
+    min_scale: float = 1.0
+    max_scale: Optional[float] = None
+
+    @classmethod
+    def of(cls, loss_scale: LossScale) -> LossScaleConfig:
+        """The configuration of a loss-scale object (its values must be concrete)."""
+        if isinstance(loss_scale, NoOpLossScale):
+            return NO_SCALING
+        if isinstance(loss_scale, StaticLossScale):
+            return cls("static", scale=_concrete_float(loss_scale.loss_scale, "loss_scale"))
+        max_ = loss_scale.max_loss_scale
+        return cls(
+            "dynamic",
+            scale=_concrete_float(loss_scale.loss_scale, "loss_scale"),
+            period=int(loss_scale.period),
+            factor=loss_scale.factor,
+            min_scale=_concrete_float(loss_scale.min_loss_scale, "min_loss_scale"),
+            max_scale=None if max_ is None else _concrete_float(max_, "max_loss_scale"),
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> LossScaleConfig:
+        """Parses what follows ``loss_scale=`` in a policy name (the inverse of ``str``)."""
+        if text == "none":
+            return NO_SCALING
+        if text == "dynamic":
+            return DEFAULT_DYNAMIC
+        if text.startswith("dynamic(") and text.endswith(")"):
+            return cls.of(_dynamic_from_text(text))
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"Unknown loss_scale {text!r} in policy name: expected 'dynamic', "
+                             "'none' or a number (a static scale).") from None
+        return cls.of(StaticLossScale(np.float32(value)))
+
+    def build(self) -> LossScale:
+        """A fresh loss-scale object with these settings."""
+        if self.kind == "none":
+            return NoOpLossScale()
+        if self.kind == "static":
+            return StaticLossScale(np.float32(self.scale))
+        return DynamicLossScale(
+            loss_scale=np.float32(self.scale), period=self.period, factor=self.factor,
+            min_loss_scale=np.float32(self.min_scale),
+            max_loss_scale=None if self.max_scale is None else np.float32(self.max_scale))
+
+    def __str__(self) -> str:
+        """The form written after ``loss_scale=`` in a policy name."""
+        if self.kind == "none":
+            return "none"
+        if self.kind == "static":
+            return repr(self.scale)
+        if self == DEFAULT_DYNAMIC:
+            return "dynamic"
+        max_ = "none" if self.max_scale is None else repr(self.max_scale)
+        return (f"dynamic(initial={self.scale!r};period={self.period};factor={self.factor!r};"
+                f"min={self.min_scale!r};max={max_})")
+
+
+#: No loss scaling.
+NO_SCALING = LossScaleConfig("none")
+#: The settings of ``DynamicLossScale()``, written out so that building a policy
+#: does not create arrays (which would start JAX's backends at import time).
+DEFAULT_DYNAMIC = LossScaleConfig("dynamic", scale=2.0**15)
+
+
+def _concrete_float(x: Any, what: str) -> float:
+    try:
+        return float(np.asarray(x))
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        raise TypeError(
+            f"A policy's loss scale is static configuration, but {what} is a traced value; "
+            "build the policy outside jit, or pass the loss scale to loss_scaling() instead."
+        ) from None
+
+
+def _dynamic_from_text(text: str) -> DynamicLossScale:
+    """``dynamic(initial=..;period=..;factor=..;min=..;max=..)`` as a loss-scale object."""
+    fields = dict(item.split("=", 1) for item in text[len("dynamic("):-1].split(";") if "=" in item)
+    if sorted(fields) != ["factor", "initial", "max", "min", "period"]:
+        raise ValueError(f"Malformed dynamic loss scale {text!r}: expected "
+                         "dynamic(initial=..;period=..;factor=..;min=..;max=..).")
+    factor, max_ = fields["factor"], fields["max"]
+    return DynamicLossScale(
+        loss_scale=np.float32(float(fields["initial"])), period=int(fields["period"]),
+        factor=int(factor) if factor.isdigit() else float(factor),
+        min_loss_scale=np.float32(float(fields["min"])),
+        max_loss_scale=None if max_ == "none" else np.float32(float(max_)))
+
+
 # ---------------------------------------------------------------------------
 # select_tree (jmp).
 
@@ -385,7 +506,9 @@ def select_tree(pred: Any, a: T, b: T) -> T:
     return selected
 
 
-# --- Finiteness -------------------------------------------------------------------------
+# ---------------------------------------------------------------------------
+# Finiteness.
+
 
 def is_inexact(x: Any) -> bool:
     """Whether ``x`` is a floating or complex array (or scalar)."""

@@ -1,4 +1,4 @@
-"""Explicit sharding in autocast's quantized products.
+"""Sharding in array types: explicit shardings, and ``shard_map``'s varying axes.
 
 Under a mesh with ``AxisType.Explicit`` axes (``jax.set_mesh``), every array's type
 carries its sharding and JAX checks it while tracing: a product whose two operands
@@ -11,8 +11,15 @@ the plain product (the operand's own sharding), and an axis cut into blocks that
 do not fall within its shards is gathered first, as the blocks need all their
 values together.
 
-Under ``Auto`` axes (or no mesh) types carry no sharding: every function here
-does nothing, and XLA's partitioner places the arrays.
+Under ``Auto`` axes (or no mesh) types carry no sharding: those functions do
+nothing, and XLA's partitioner places the arrays.
+
+Inside ``shard_map`` (with ``check_vma``, its default) a value's type also says
+along which mesh axes it *varies*, holding a different value on each device,
+rather than being the same on all of them (`varying`). Where two values must
+have one type (the branches of a ``lax.cond``, a cotangent and its primal), an
+invariant one is cast to varying (``lax.pcast``) or reduced over the axes
+(``lax.psum``, ``lax.pmax``).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import Any, Optional, Sequence
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-__all__ = ["explicit", "gathered", "in_whole_blocks", "permuted", "shards"]
+__all__ = ["explicit", "gathered", "in_whole_blocks", "permuted", "shards", "varying"]
 
 
 def explicit(x: Any) -> Optional[NamedSharding]:
@@ -90,3 +97,26 @@ def in_whole_blocks(x: Any, axis: int, block: int) -> Any:
     if parts == 1 or (size % block == 0 and (size // block) % parts == 0):
         return x
     return gathered(x, axis)
+
+
+def varying(x: Any) -> frozenset[str]:
+    """The ``shard_map`` mesh axes along which ``x`` varies: none outside ``shard_map``.
+
+    ``x`` is an array, a tracer, an abstract value or a ``jax.ShapeDtypeStruct``
+    (as ``jax.eval_shape`` gives them, which keep the axes of the traced value).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+    >>> def f(x, y):
+    ...     print(sorted(varying(x)), sorted(varying(jax.eval_shape(jnp.sin, y))))
+    ...     return x
+    >>> _ = jax.shard_map(f, mesh=mesh, in_specs=(P("batch"), P()), out_specs=P("batch"))(
+    ...     jnp.ones(2), jnp.ones(2))
+    ['batch'] []
+    >>> varying(jnp.ones(2))
+    frozenset()
+    """
+    aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset()

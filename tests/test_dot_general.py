@@ -111,10 +111,33 @@ def test_operand_dtypes_and_preferred_element_type():
     out = dot(x, w, DENSE)
     assert out.dtype == jnp.float16
     wide = dot(x, w, DENSE, preferred_element_type=jnp.float32)
-    _same(wide, out.astype(jnp.float32))  # rounded to float16 as autocast rounds, converted
+    # The float32 accumulation of the float16 operands, as lax.dot_general gives it.
+    x16, w16 = x.astype(jnp.float16), w.astype(jnp.float16)
+    _same(wide, lax.dot_general(x16, w16, DENSE, preferred_element_type=jnp.float32))
     ints = jnp.arange(6, dtype=jnp.int8).reshape(2, 3)
     _same(dot(ints, ints.T, DENSE, preferred_element_type=jnp.int32),
           lax.dot_general(ints, ints.T, DENSE, preferred_element_type=jnp.int32))
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_preferred_element_type_float32_is_the_float32_accumulation_under_jit(policy):
+    x, w = _operands((32, 256), (256, 32))
+    dot = jmp_policy.dot_general(policy)
+    half = jmp_policy.Policy(policy).compute_dtype
+    wide = lambda a, b: dot(a, b, DENSE, preferred_element_type=jnp.float32)
+    plain = lambda a, b: lax.dot_general(a.astype(half), b.astype(half), DENSE,
+                                         preferred_element_type=jnp.float32)
+    got = jax.jit(wide)(x, w)
+    assert got.dtype == jnp.float32
+    _same(got, jax.jit(plain)(x, w))
+    _same(wide(x, w), plain(x, w))  # eagerly too
+    assert not np.array_equal(got, got.astype(half).astype(jnp.float32))  # not rounded
+    # Its derivative is JAX's own for that product; gradients in the operands' dtype.
+    grads = jax.jit(jax.grad(lambda a, b: wide(a, b).sum(), argnums=(0, 1)))(x, w)
+    want = jax.jit(jax.grad(lambda a, b: plain(a, b).sum(), argnums=(0, 1)))(x, w)
+    for g, h in zip(grads, want):
+        assert g.dtype == jnp.float32
+        _same(g, h)
 
 
 def test_as_einsums_dot_general():

@@ -162,6 +162,33 @@ def test_excluded_scopes_small_and_integer_products_stay_out_of_float8():
         assert dots(ints, a, a) == [(np.dtype(np.int8), np.dtype(np.int8), np.dtype(np.int32))]
 
 
+# Output layers as models name them, and names the default must not take for one.
+HEADS = ["head", "lm_head", "classifier_head", "cls_head", "ViT/head", "Bert/classifier_head",
+         "logits"]
+NOT_HEADS = ["heads_proj", "ahead", "heads", "head_proj", "attention_head", "block/attn_head",
+             "multi_head"]
+
+
+@pytest.mark.parametrize("scope", HEADS + NOT_HEADS)
+def test_default_exclude_keeps_output_heads_out_of_float8(scope):
+    x, w = rng(64, 64), rng(64, 64, seed=1)
+
+    f = autocast(lambda x, w: _under(scope.split("/"), lambda: x @ w), "mixed_bfloat16",
+                 fp8="tensorwise")
+    formats = dots(jax.grad(lambda x, w: f(x, w).astype(F32).sum(), argnums=1), x, w)
+    excluded = scope in HEADS
+    assert len(formats) >= 2  # forward and backward
+    assert all((BF16 in d[:2]) == excluded and (E4M3 in d[:2] or E5M2 in d[:2]) != excluded
+               for d in formats), formats
+
+
+def _under(scopes, product):
+    if not scopes:
+        return product()
+    with jax.named_scope(scopes[0]):
+        return _under(scopes[1:], product)
+
+
 def test_float32_scopes_win_over_fp8():
     p, x = mlp_params(), rng(2, 16, 32)
     f = autocast(mlp, "mixed_bfloat16", fp8=Float8Recipe(exclude=()),

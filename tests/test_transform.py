@@ -246,6 +246,7 @@ RIGHT_COMPOSITIONS = {
     "inject_hyperparams": lambda: optax.inject_hyperparams(lambda learning_rate: _ls(optax.sgd(learning_rate)))(learning_rate=0.1),
     "masked": lambda: optax.masked(_ls(optax.sgd(0.1)), {"w": True}),
     "nested chains": lambda: optax.chain(optax.chain(_ls(optax.sgd(0.1)), optax.identity()), optax.identity()),
+    "apply_if_finite inside": lambda: _ls(optax.apply_if_finite(optax.sgd(0.1), 3)),
 }
 
 # Compositions in which another transformation sees the scaled gradients first.
@@ -268,6 +269,12 @@ WRONG_COMPOSITIONS = {
         lambda: optax.inject_hyperparams(
             lambda learning_rate: optax.chain(optax.clip(1.0), _ls(optax.sgd(learning_rate))))(learning_rate=0.1),
         r"opt_state\.inner_state\[1\]"),
+    "apply_if_finite outside": (lambda: optax.apply_if_finite(_ls(optax.sgd(0.1)), 3),
+                                r"opt_state\.inner_state .*inside optax\.apply_if_finite.*"
+                                r"jmp_policy\.loss_scaling\(optax\.apply_if_finite\(inner"),
+    "apply_if_finite around a chain": (
+        lambda: optax.chain(optax.apply_if_finite(optax.chain(_ls(optax.sgd(0.1)), optax.identity()), 3)),
+        r"opt_state\[0\]\.inner_state\[0\] .*apply_if_finite"),
     "MultiSteps around a chain": (
         lambda: optax.chain(optax.MultiSteps(optax.chain(optax.identity(), _ls(optax.sgd(0.1))), every_k_schedule=3)),
         r"opt_state\[0\]\.inner_opt_state\[1\] .*MultiSteps"),
@@ -332,6 +339,25 @@ def test_multisteps_outside_loss_scaling_is_poisoned_by_one_overflow_and_refused
     assert not np.isfinite(state.acc_grads["w"]).any()
     with pytest.raises(ValueError, match=r"loss_scaling\(optax\.MultiSteps\(inner"):
         jmp_policy.get_loss_scale(state)
+
+
+def test_apply_if_finite_outside_loss_scaling_keeps_the_overflowing_scale_and_is_refused():
+    # What the refusal prevents: apply_if_finite skips the overflowing steps before
+    # loss_scaling sees them, so the scale that overflows is kept for the next step.
+    tx = optax.apply_if_finite(_ls(optax.sgd(1.0)), max_consecutive_errors=3)
+    state, upd = tx.init({"w": jnp.ones(2)}), jax.jit(tx.update)
+    for _ in range(3):
+        _, state = upd({"w": jnp.full(2, np.inf)}, state)
+    inner = state.inner_state  # the LossScalingState
+    assert float(inner.loss_scale.loss_scale) == 256.0 and int(inner.skipped_steps) == 0
+    with pytest.raises(ValueError, match=r"drop apply_if_finite"):
+        jmp_policy.get_loss_scale(state)
+    # Around it, each overflow halves the scale.
+    tx = _ls(optax.apply_if_finite(optax.sgd(1.0), max_consecutive_errors=3))
+    state, upd = tx.init({"w": jnp.ones(2)}), jax.jit(tx.update)
+    for _ in range(3):
+        _, state = upd({"w": jnp.full(2, np.inf)}, state)
+    assert float(jmp_policy.get_loss_scale(state).loss_scale) == 32.0
 
 
 def test_loss_scaling_around_multisteps_skips_only_the_overflowing_micro_step():
@@ -509,6 +535,36 @@ def test_axis_name_under_shard_map_types_both_branches_alike():
     np.testing.assert_allclose(updates, np.full((2, 3), -0.1))
     updates, state = step(jnp.full((2, 3), 8.0).at[0, 0].set(np.inf), state, params)
     np.testing.assert_array_equal(updates, np.zeros((2, 3)))
+    assert int(state.skipped_steps) == 1 and float(state.loss_scale.loss_scale) == 4.0
+
+
+def test_axis_name_under_shard_map_keeps_each_leaf_varying_or_invariant():
+    # Per-device gradients ("a") next to replicated ones ("b"), and Adam moments of
+    # each: a skipped step's zero updates and kept moments must vary where the
+    # computed ones do, and only there (check_vma checks the outputs' specs).
+    mesh = jax.make_mesh((1,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = jax.sharding.PartitionSpec
+    tx = jmp_policy.loss_scaling(optax.adam(0.1), DynamicLossScale(8.0), axis_name="batch")
+    params = {"a": jnp.ones((2, 3)), "b": jnp.ones(3)}
+    state = tx.init(params)
+    per_leaf = lambda path, _: spec("batch") if "'a'" in jax.tree_util.keystr(path) else spec()
+    state_specs = jax.tree_util.tree_map_with_path(per_leaf, state)
+    tree_specs = {"a": spec("batch"), "b": spec()}
+
+    @jax.jit
+    def step(grads, state, params):
+        return jax.shard_map(tx.update, mesh=mesh, in_specs=(tree_specs, state_specs, tree_specs),
+                             out_specs=(tree_specs, state_specs), check_vma=True)(grads, state, params)
+
+    grads = {"a": jnp.full((2, 3), 8.0), "b": jnp.full(3, 8.0)}
+    updates, state = step(grads, state, params)
+    np.testing.assert_allclose(updates["b"], np.full(3, -0.1), rtol=1e-4)
+    before = state
+    updates, state = step({"a": grads["a"].at[0, 0].set(np.inf), "b": grads["b"]}, state, params)
+    assert all(np.array_equal(u, np.full_like(u, -0.0)) for u in jax.tree_util.tree_leaves(updates))
+    for kept, old in zip(jax.tree_util.tree_leaves(state.inner_state),
+                         jax.tree_util.tree_leaves(before.inner_state)):
+        np.testing.assert_array_equal(kept, old)
     assert int(state.skipped_steps) == 1 and float(state.loss_scale.loss_scale) == 4.0
 
 

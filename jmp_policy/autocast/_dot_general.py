@@ -35,8 +35,9 @@ from jmp_policy.float8 import (
     why_not_float8,
 )
 from jmp_policy.autocast._float8 import FLOAT8_PRODUCTS, float8_matmul
-from jmp_policy.autocast.interpreter import Context, eval_jaxpr
+from jmp_policy.autocast.interpreter import Context, MatmulRule, eval_jaxpr
 from jmp_policy.dtypes import convert, is_floating
+from jmp_policy.jaxprs import bind
 from jmp_policy.autocast.interpreter import matmul
 from jmp_policy.autocast.rules import AutocastWarning, parse_rules
 from jmp_policy.policy import Policy, PolicyLike, as_policy
@@ -63,9 +64,10 @@ def dot_general(policy: PolicyLike = None, *, fp8: Float8Like = None) -> DotGene
       ``batched=False``, or called under a ``jax.named_scope`` path that the
       recipe excludes (``logits``, ``lm_head``, ``head``) runs in the compute
       dtype instead, with an ``AutocastWarning`` naming the reason.
-    * ``preferred_element_type``, if given, is the result's dtype: the product
-      still accumulates in float32, is rounded to the compute dtype as autocast
-      rounds it, and is converted to it.
+    * ``preferred_element_type``, if given, is the result's dtype, as in
+      ``lax.dot_general``: a product in the compute dtype returns its float32
+      accumulation in it (``float32``: the unrounded sum, eagerly and under
+      ``jit``); a float8 product's result, in the compute dtype, is converted to it.
     * ``precision`` is passed to products in the compute dtype (float32
       policies: JAX's own). A float8 product has no precision to choose: a
       ``precision`` other than ``None`` or ``DEFAULT`` warns there. Other keyword
@@ -149,7 +151,8 @@ class DotGeneral:
         scope = str(source_info_util.current_name_stack())
         if self.recipe is not None:
             self._check_precision(closed, scope, precision)
-        evaluate = functools.partial(self._evaluate, scope=scope)
+        evaluate = functools.partial(self._evaluate, scope=scope,
+                                     accumulate=preferred_element_type is not None)
         if _eager.staged([lhs, rhs]):
             out = evaluate(closed, [lhs, rhs])[0]
         else:
@@ -158,9 +161,12 @@ class DotGeneral:
             out = convert(out, np.dtype(preferred_element_type))
         return out
 
-    def _evaluate(self, closed: Any, values: Sequence[Any], scope: str) -> list[Any]:
+    def _evaluate(self, closed: Any, values: Sequence[Any], scope: str,
+                  accumulate: bool) -> list[Any]:
         compute, _ = _Settings(self.policy, _RULES, self.recipe, "").dtypes(values)
         rule = matmul if self.recipe is None else float8_matmul(self.recipe)
+        if accumulate:
+            rule = _accumulating(rule, self.recipe)
         ctx = Context(compute, _RULES, rule, scope=scope)
         out = eval_jaxpr(ctx, closed.jaxpr, closed.consts, values)
         if self.recipe is not None and not ctx.tallied(FLOAT8_PRODUCTS):
@@ -186,6 +192,19 @@ class DotGeneral:
         warnings.warn(
             f"{self!r}: the product of {_shape(lhs)} and {_shape(rhs)} runs in "
             f"{np.dtype(compute).name}, not float8: {why}.", AutocastWarning, stacklevel=3)
+
+
+def _accumulating(rule: MatmulRule, recipe: Optional[Float8Recipe]) -> MatmulRule:
+    """``rule``, except that a product in the compute dtype keeps its equation's
+    ``preferred_element_type``: asked for explicitly, it means the accumulation in that
+    dtype (the matmul class would round it to the compute dtype)."""
+
+    def keeping(ctx: Context, eqn: Any, invals: list[Any]) -> Any:
+        if recipe is not None and eligible(recipe, eqn, ctx.scope):
+            return rule(ctx, eqn, invals)
+        return bind(eqn, [ctx.cast(x, ctx.compute) for x in invals])
+
+    return keeping
 
 
 def _is_default(precision: Any) -> bool:

@@ -43,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmp_policy.sharding import varying
+
 _F32 = np.dtype(np.float32)
 
 
@@ -106,18 +108,11 @@ def observation(amax: jax.Array, history: jax.Array) -> jax.Array:
     on every device: it becomes the largest over those devices (a history is one
     value per mesh axis it does not vary along, as a cotangent must be).
     """
-    axes = _varying(amax) - _varying(history)
+    axes = varying(amax) - varying(history)
     if axes:
         amax = lax.pmax(amax, tuple(sorted(axes)))  # type: ignore[no-untyped-call]
     return jnp.zeros(jnp.shape(history), _F32).at[0].set(amax.astype(_F32))
 
-
-def _varying(x: jax.Array) -> frozenset[str]:
-    """The ``shard_map`` mesh axes along which ``x`` varies (``jax.typeof(x).vma`` before
-    jax 0.10, ``.manual_axis_type.varying`` since)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)
-    return frozenset(getattr(aval, "vma", ()) if manual is None else manual.varying)
 
 
 # --- Handing histories to products ----------------------------------------------------------

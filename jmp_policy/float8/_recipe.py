@@ -83,9 +83,11 @@ class Float8Recipe:
         JAX's transformation names (``"TransformerLM/logits"``, also in the
         backward pass); a product that matches stays in the compute dtype.
         The default, `DEFAULT_EXCLUDE`, keeps the output layer of a model out
-        of float8: a scope named ``logits...``, ``lm_head...`` or ``head``, and
-        a head tied to its embedding, any ``.attend`` method (``nn.Embed``'s in
-        linen, ``nnx.Embed``'s: ``Decoder/embedder.attend``).
+        of float8: a scope named ``logits...``, ``lm_head...``, ``head`` or
+        ``<task>_head`` (``classifier_head``, ``cls_head``; an attention head,
+        ``attention_head``, ``attn_head`` or ``multi_head``, is not an output
+        layer), and a head tied to its embedding, any ``.attend`` method
+        (``nn.Embed``'s in linen, ``nnx.Embed``'s: ``Decoder/embedder.attend``).
       batched: whether products with batch dimensions (attention's scores and
         weighted values, per-example weights under ``vmap``) run in float8
         too. ``False`` keeps them in the compute dtype and float8s only the
@@ -138,9 +140,11 @@ class Float8Recipe:
     True
     """
 
-    # Anchored on whole scope names: an ``attention_head`` or ``heads`` scope is not matched.
+    # Anchored on whole scope names: a ``heads``, ``ahead`` or ``head_proj`` scope is not
+    # matched, nor an attention head (the lookbehinds on the name before ``_head``).
     DEFAULT_EXCLUDE: ClassVar[tuple[str, ...]] = (
-        r"(?i)(^|/)(logits?\w*|lm_head\w*|head)(\.\w+)?(/|$)",
+        r"(?i)(^|/)(logits?\w*|lm_head\w*|head|\w+(?<!attention)(?<!attn)(?<!multi)_head)"
+        r"(\.\w+)?(/|$)",
         r"(^|/)\w+\.attend(/|$)")
 
     scaling: Scaling = "tensorwise"

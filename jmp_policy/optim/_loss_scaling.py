@@ -30,6 +30,7 @@ Array([0.8, 0.8, 0.8], dtype=float32)
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections import OrderedDict
@@ -41,9 +42,16 @@ import numpy as np
 import optax
 from jax.extend.core import jaxpr_as_fun
 
-from jmp_policy.loss_scale import is_inexact, unscaled_all_finite
-from jmp_policy.loss_scale import DynamicLossScale, LossScale, StaticLossScale, scale_leaves
+from jmp_policy.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    StaticLossScale,
+    is_inexact,
+    scale_leaves,
+    unscaled_all_finite,
+)
 from jmp_policy.policy import LossScaleLike, as_loss_scale
+from jmp_policy.sharding import varying
 
 AxisName = Union[None, str, Sequence[str]]
 
@@ -116,28 +124,14 @@ def loss_scaling(
     >>> bool(state.grads_finite), int(state.skipped_steps), bool((updates["w"] == 0).all())
     (False, 1, True)
     """
-    initial_scale = as_loss_scale(loss_scale)
-    if isinstance(initial_scale, StaticLossScale) and _is_zero(initial_scale.loss_scale):
-        raise ValueError(
-            "loss_scaling: a static loss scale of 0 zeroes every gradient, so every step would "
-            "be skipped; use a positive scale, 'dynamic', or None for no scaling.")
+    initial_scale = _initial_scale(loss_scale)
     if getattr(inner, "update", None) in _UPDATES:
         raise ValueError(_NESTED)
     axes = _axis_names(axis_name)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> LossScalingState:
-        inner_state = inner.init(params)
-        if _loss_scaling_states(inner_state):
-            raise ValueError(_NESTED)
-        return LossScalingState(
-            # A copy per init: states from one transformation must not share
-            # buffers, or donating one state would delete the others' scale.
-            loss_scale=jax.tree_util.tree_map(jnp.array, initial_scale),
-            inner_state=inner_state,
-            grads_finite=jnp.asarray(True),
-            skipped_steps=jnp.zeros((), jnp.int32),
-        )
+        return _init(inner, initial_scale, params)
 
     def update_fn(
         grads: optax.Updates,
@@ -145,50 +139,171 @@ def loss_scaling(
         params: Optional[optax.Params] = None,
         **extra_args: Any,
     ) -> Tuple[optax.Updates, LossScalingState]:
-        _check_update_args(grads, state)
-        scale = state.loss_scale
-        # One inverse for the check and the unscaling, computed once outside
-        # the cond rather than in front of every kernel of the taken branch.
-        inverse = 1 / jnp.asarray(scale.loss_scale, jnp.float32)
-        finite = unscaled_all_finite(grads, inverse if _unscaling_can_overflow(scale) else None)
-        if axes:
-            skipping = jnp.logical_not(finite).astype(jnp.int32)
-            finite = jax.lax.psum(skipping, axes) == 0  # type: ignore[no-untyped-call]
-
-        def apply(grads: optax.Updates, inner_state: optax.OptState,
-                  params: Optional[optax.Params]) -> Tuple[optax.Updates, optax.OptState]:
-            # Unscaled inside the branch, so that XLA fuses the multiply into
-            # the optimizer's first elementwise kernel instead of writing it out.
-            unscaled = scale_leaves(grads, inverse)
-            try:
-                out: Tuple[optax.Updates, optax.OptState] = inner.update(
-                    unscaled, inner_state, params, **extra_args)
-                return out
-            except (AttributeError, KeyError, TypeError, ValueError) as e:
-                _raise_if_integer_params(grads, params, e)
-                _raise_if_foreign(inner, grads, inner_state, e)
-                raise
-
-        updates, inner_state = _run_if(finite, apply, _skip, grads, state.inner_state, params)
-        return updates, LossScalingState(
-            loss_scale=scale.adjust(finite),
-            inner_state=inner_state,
-            grads_finite=finite,
-            skipped_steps=jnp.where(finite, state.skipped_steps,
-                                    optax.safe_increment(state.skipped_steps)),
-        )
+        return _update(inner, axes, grads, state, params, extra_args)
 
     _UPDATES.add(update_fn)
     return LossScaling(init_fn, update_fn)
+
+
+def _initial_scale(loss_scale: LossScaleLike) -> LossScale:
+    scale = as_loss_scale(loss_scale)
+    if isinstance(scale, StaticLossScale) and _is_zero(scale.loss_scale):
+        raise ValueError(
+            "loss_scaling: a static loss scale of 0 zeroes every gradient, so every step would "
+            "be skipped; use a positive scale, 'dynamic', or None for no scaling.")
+    return scale
 
 
 def _is_zero(value: Any) -> bool:
     return not isinstance(value, jax.core.Tracer) and bool(value == 0)
 
 
+def _axis_names(axis_name: AxisName) -> Tuple[str, ...]:
+    if axis_name is None:
+        return ()
+    names = (axis_name,) if isinstance(axis_name, str) else axis_name
+    if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"loss_scaling: axis_name must be a mapped axis name (a string, e.g. 'batch') or a "
+            f"sequence of them, got {axis_name!r} of type {type(axis_name).__name__}.")
+    return tuple(names)
+
+
 _NESTED = (
     "loss_scaling: the inner optimizer already contains a loss_scaling transformation, so "
     "the gradients would be unscaled twice; wrap the optimizer in loss_scaling once.")
+
+
+def _init(inner: optax.GradientTransformationExtraArgs, initial_scale: LossScale,
+          params: optax.Params) -> LossScalingState:
+    inner_state = inner.init(params)
+    if _loss_scaling_states(inner_state):
+        raise ValueError(_NESTED)
+    return LossScalingState(
+        # A copy per init: states from one transformation must not share
+        # buffers, or donating one state would delete the others' scale.
+        loss_scale=jax.tree_util.tree_map(jnp.array, initial_scale),
+        inner_state=inner_state,
+        grads_finite=jnp.asarray(True),
+        skipped_steps=jnp.zeros((), jnp.int32),
+    )
+
+
+def _update(
+    inner: optax.GradientTransformationExtraArgs,
+    axes: Tuple[str, ...],
+    grads: optax.Updates,
+    state: LossScalingState,
+    params: Optional[optax.Params],
+    extra_args: dict[str, Any],
+) -> Tuple[optax.Updates, LossScalingState]:
+    """One step: steps 1 to 4 of the module's docstring."""
+    _check_update_args(grads, state)
+    scale = state.loss_scale
+    # One inverse for the check and the unscaling, computed once outside
+    # the cond rather than in front of every kernel of the taken branch.
+    inverse = 1 / jnp.asarray(scale.loss_scale, jnp.float32)
+    finite = _all_finite(grads, scale, inverse, axes)
+    apply = functools.partial(_inner_update, inner, inverse, extra_args)
+    updates, inner_state = _run_if(finite, apply, _skip, grads, state.inner_state, params)
+    return updates, LossScalingState(
+        loss_scale=scale.adjust(finite),
+        inner_state=inner_state,
+        grads_finite=finite,
+        skipped_steps=jnp.where(finite, state.skipped_steps,
+                                optax.safe_increment(state.skipped_steps)),
+    )
+
+
+def _check_update_args(grads: Any, state: Any) -> None:
+    if not isinstance(state, LossScalingState):
+        raise TypeError(
+            f"loss_scaling.update expected the LossScalingState made by this transformation's "
+            f"init, got {type(state).__name__}.")
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        dtype = getattr(g, "dtype", None)
+        if dtype is not None and dtype != jax.dtypes.float0 and not is_inexact(g):
+            raise TypeError(
+                f"loss_scaling.update: the gradient at {jax.tree_util.keystr(path)!r} has dtype "
+                f"{dtype}; gradients must be floating (or float0, which jax.grad gives for integer "
+                "inputs with allow_int=True), since only floating values can be unscaled.")
+
+
+def _all_finite(grads: optax.Updates, scale: LossScale, inverse: jax.Array,
+                axes: Tuple[str, ...]) -> jax.Array:
+    """Whether every unscaled gradient is finite, on every device of ``axes`` too."""
+    finite = unscaled_all_finite(grads, inverse if _unscaling_can_overflow(scale) else None)
+    if not axes:
+        return finite
+    skipping = jnp.logical_not(finite).astype(jnp.int32)
+    agreed: jax.Array = jax.lax.psum(skipping, axes) == 0  # type: ignore[no-untyped-call]
+    return agreed
+
+
+def _unscaling_can_overflow(scale: LossScale) -> bool:
+    """Whether ``scale`` can be below 1, so that unscaling can overflow a finite gradient."""
+    if isinstance(scale, DynamicLossScale):
+        return bool(scale.min_loss_scale < 1)
+    if isinstance(scale, StaticLossScale):
+        return isinstance(scale.loss_scale, jax.core.Tracer) or bool(scale.loss_scale < 1)
+    return False
+
+
+def _inner_update(
+    inner: optax.GradientTransformationExtraArgs,
+    inverse: jax.Array,
+    extra_args: dict[str, Any],
+    grads: optax.Updates,
+    inner_state: optax.OptState,
+    params: Optional[optax.Params],
+) -> Tuple[optax.Updates, optax.OptState]:
+    """A finite step: ``inner``'s update of the unscaled gradients."""
+    # Unscaled inside the branch, so that XLA fuses the multiply into
+    # the optimizer's first elementwise kernel instead of writing it out.
+    unscaled = scale_leaves(grads, inverse)
+    try:
+        out: Tuple[optax.Updates, optax.OptState] = inner.update(
+            unscaled, inner_state, params, **extra_args)
+        return out
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        _raise_if_integer_params(grads, params, e)
+        _raise_if_foreign(inner, grads, inner_state, e)
+        raise
+
+
+def _raise_if_integer_params(grads: Any, params: Any, error: Exception) -> None:
+    """Raises a clear error if a gradient is None where ``params`` holds an
+    integer array, which no optax optimizer can update."""
+    if params is None:
+        return
+    gradients = dict(jax.tree_util.tree_flatten_with_path(grads, is_leaf=lambda x: x is None)[0])
+    for path, p in jax.tree_util.tree_leaves_with_path(params):
+        dtype = getattr(p, "dtype", None)
+        if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact) and (
+                path in gradients and gradients[path] is None):
+            raise TypeError(
+                f"loss_scaling.update: the gradient at {jax.tree_util.keystr(path)!r} is None and "
+                f"the parameter there is {dtype}: gradients are taken of floating-point leaves "
+                "only (scaled_value_and_grad and eqx.filter_grad give None elsewhere), and the "
+                "optimizer cannot update an integer parameter. Give the optimizer's init and "
+                "update the floating-point parameters only (for an Equinox module, "
+                "eqx.filter(model, eqx.is_inexact_array)), and keep integer values out of them.") from error
+
+
+def _raise_if_foreign(inner: optax.GradientTransformation, grads: Any, inner_state: Any,
+                      error: Exception) -> None:
+    """Raises a clear error if ``inner_state`` is not a state of ``inner``."""
+    expected: Any = jax.tree_util.tree_structure(jax.eval_shape(inner.init, grads))
+    got: Any = jax.tree_util.tree_structure(inner_state)
+    if expected != got:
+        raise ValueError(
+            "loss_scaling.update: the optimizer state does not belong to this optimizer (was it "
+            "made by another optimizer's init?). Its inner state has the structure\n"
+            f"  {got}\nwhere this optimizer's init makes\n  {expected}.") from error
+
+
+# ---------------------------------------------------------------------------
+# The skip: one lax.cond, both branches of one type.
 
 
 def _run_if(
@@ -207,7 +322,7 @@ def _run_if(
     out_tree = jax.tree_util.tree_structure(out_shapes)
     skipped_shapes = jax.eval_shape(lambda *ops: skip(out_shapes, *ops), *operands)
     axes = jax.tree_util.tree_map(
-        lambda a, b: _varying(a) | _varying(b), out_shapes, skipped_shapes)
+        lambda a, b: varying(a) | varying(b), out_shapes, skipped_shapes)
 
     def taken(*ops: Any) -> Any:
         outs = jaxpr_as_fun(closed)(*jax.tree_util.tree_leaves(ops))
@@ -243,85 +358,72 @@ def _keep(inner_state: Any, state_shapes: Any) -> Any:
             f"the inner transformation's state structure constant. ({e})") from None
 
 
-def _varying(x: Any) -> frozenset[str]:
-    """The ``shard_map`` axes over which ``x`` varies (none outside ``shard_map``)."""
-    manual = getattr(x, "manual_axis_type", None)
-    return frozenset(manual.varying) if manual is not None else frozenset()
-
-
 def _vary(tree: Any, axes: Any) -> Any:
     """Marks each leaf of ``tree`` as varying over its entry in ``axes``."""
 
     def cast(x: Any, axes: frozenset[str]) -> Any:
-        missing = tuple(sorted(axes - _varying(jax.typeof(x))))
+        missing = tuple(sorted(axes - varying(x)))
         return jax.lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree_util.tree_map(cast, tree, axes)
 
 
-def _unscaling_can_overflow(scale: LossScale) -> bool:
-    """Whether ``scale`` can be below 1, so that unscaling can overflow a finite gradient."""
-    if isinstance(scale, DynamicLossScale):
-        return bool(scale.min_loss_scale < 1)
-    if isinstance(scale, StaticLossScale):
-        return isinstance(scale.loss_scale, jax.core.Tracer) or bool(scale.loss_scale < 1)
-    return False
+# ---------------------------------------------------------------------------
+# Finding the state: get_loss_scale.
 
 
-def _axis_names(axis_name: AxisName) -> Tuple[str, ...]:
-    if axis_name is None:
-        return ()
-    names = (axis_name,) if isinstance(axis_name, str) else axis_name
-    if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
-        raise TypeError(
-            f"loss_scaling: axis_name must be a mapped axis name (a string, e.g. 'batch') or a "
-            f"sequence of them, got {axis_name!r} of type {type(axis_name).__name__}.")
-    return tuple(names)
+def loss_scaling_state(opt_state: Any) -> LossScalingState:
+    """The one `LossScalingState` inside ``opt_state``, wherever it is nested.
 
-
-def _check_update_args(grads: Any, state: Any) -> None:
-    if not isinstance(state, LossScalingState):
-        raise TypeError(
-            f"loss_scaling.update expected the LossScalingState made by this transformation's "
-            f"init, got {type(state).__name__}.")
-    for path, g in jax.tree_util.tree_leaves_with_path(grads):
-        dtype = getattr(g, "dtype", None)
-        if dtype is not None and dtype != jax.dtypes.float0 and not is_inexact(g):
-            raise TypeError(
-                f"loss_scaling.update: the gradient at {jax.tree_util.keystr(path)!r} has dtype "
-                f"{dtype}; gradients must be floating (or float0, which jax.grad gives for integer "
-                "inputs with allow_int=True), since only floating values can be unscaled.")
-
-
-def _raise_if_integer_params(grads: Any, params: Any, error: Exception) -> None:
-    """Raises a clear error if a gradient is None where ``params`` holds an
-    integer array, which no optax optimizer can update."""
-    if params is None:
-        return
-    gradients = dict(jax.tree_util.tree_flatten_with_path(grads, is_leaf=lambda x: x is None)[0])
-    for path, p in jax.tree_util.tree_leaves_with_path(params):
-        dtype = getattr(p, "dtype", None)
-        if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact) and (
-                path in gradients and gradients[path] is None):
-            raise TypeError(
-                f"loss_scaling.update: the gradient at {jax.tree_util.keystr(path)!r} is None and "
-                f"the parameter there is {dtype}: gradients are taken of floating-point leaves "
-                "only (scaled_value_and_grad and eqx.filter_grad give None elsewhere), and the "
-                "optimizer cannot update an integer parameter. Give the optimizer's init and "
-                "update the floating-point parameters only (for an Equinox module, "
-                "eqx.filter(model, eqx.is_inexact_array)), and keep integer values out of them.") from error
-
-
-def _raise_if_foreign(inner: optax.GradientTransformation, grads: Any, inner_state: Any,
-                      error: Exception) -> None:
-    """Raises a clear error if ``inner_state`` is not a state of ``inner``."""
-    expected: Any = jax.tree_util.tree_structure(jax.eval_shape(inner.init, grads))
-    got: Any = jax.tree_util.tree_structure(inner_state)
-    if expected != got:
+    It refuses, with a ``ValueError`` naming the right composition, a state whose
+    position shows that gradients reach `loss_scaling` already transformed: inside
+    ``optax.MultiSteps`` (it would accumulate scaled, possibly non-finite,
+    gradients), inside ``optax.apply_if_finite`` (it would skip overflowing steps
+    before the loss scale could shrink), or after another transformation in
+    ``optax.chain`` / ``optax.named_chain`` (it would see scaled gradients).
+    """
+    found = _find_states(opt_state)
+    if not found:
         raise ValueError(
-            "loss_scaling.update: the optimizer state does not belong to this optimizer (was it "
-            "made by another optimizer's init?). Its inner state has the structure\n"
-            f"  {got}\nwhere this optimizer's init makes\n  {expected}.") from error
+            "No LossScalingState found in the optimizer state; build the optimizer with "
+            "jmp_policy.loss_scaling(inner, loss_scale) and pass its state.")
+    if len(found) > 1:
+        raise ValueError(
+            f"The optimizer state holds {len(found)} LossScalingStates, so the loss scale is "
+            "ambiguous; pass the sub-state of the one you mean.")
+    if found[0].misplaced is not None:
+        raise ValueError(
+            f"The loss_scaling transformation whose state is at opt_state{found[0].path} is "
+            f"composed in an order that gives it the wrong gradients: {found[0].misplaced}")
+    return found[0].state
+
+
+def get_loss_scale(opt_state: Any) -> LossScale:
+    """The loss scale of the `LossScalingState` inside ``opt_state``.
+
+    The state may be nested anywhere: ``optax.chain``, ``named_chain``,
+    ``inject_hyperparams``, ``MultiSteps``, dicts, tuples... A composition that
+    gives `loss_scaling` the wrong gradients is a ``ValueError`` naming the right
+    one: ``optax.MultiSteps(loss_scaling(inner), k)`` (use
+    ``loss_scaling(optax.MultiSteps(inner, k))``), ``optax.apply_if_finite(
+    loss_scaling(inner), n)`` (use ``loss_scaling(inner)``, which skips non-finite
+    steps itself) and a transformation before `loss_scaling` in a chain, such as
+    ``optax.chain(optax.clip(1.0), loss_scaling(inner))`` (use
+    ``loss_scaling(optax.chain(optax.clip(1.0), inner))``). `loss_scaling` first in
+    a chain is right: the transformations after it see its updates.
+
+    >>> import jax.numpy as jnp, optax
+    >>> import jmp_policy
+    >>> tx = jmp_policy.loss_scaling(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
+    >>> float(jmp_policy.get_loss_scale(tx.init(jnp.zeros(2))).loss_scale)
+    32768.0
+    >>> wrong = optax.MultiSteps(jmp_policy.loss_scaling(optax.sgd(0.1)), every_k_schedule=2)
+    >>> jmp_policy.get_loss_scale(wrong.init(jnp.zeros(2)))
+    Traceback (most recent call last):
+    ...
+    ValueError: The loss_scaling transformation whose state is at opt_state.inner_opt_state is composed in an order that gives it the wrong gradients: it is inside optax.MultiSteps, ...
+    """
+    return loss_scaling_state(opt_state).loss_scale
 
 
 def _loss_scaling_states(tree: Any) -> list[LossScalingState]:
@@ -370,9 +472,9 @@ def _misplaced(tree: Any, path: Tuple[Any, ...], key_path: Tuple[Any, ...]) -> O
     for depth, key in enumerate(key_path):
         children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
         position = next(i for i, (k, _) in enumerate(children) if k == (key,))
-        if isinstance(node, optax.MultiStepsState) and key == jax.tree_util.GetAttrKey(
-                "inner_opt_state"):
-            return _INSIDE_MULTISTEPS
+        for state_type, field, reason in _WRAPPERS_BEFORE:
+            if isinstance(node, state_type) and key == jax.tree_util.GetAttrKey(field):
+                return reason
         if position > 0 and type(node) in (tuple, OrderedDict):
             here = (*path, *key_path[:depth])
             return _AFTER_IN_CHAIN.format(
@@ -392,6 +494,21 @@ _INSIDE_MULTISTEPS = (
     "and checks every micro-step and skips a non-finite one before it reaches the "
     "accumulator.")
 
+_INSIDE_APPLY_IF_FINITE = (
+    "it is inside optax.apply_if_finite, which checks the scaled gradients and skips a "
+    "non-finite step before loss_scaling sees it: the loss scale does not shrink after an "
+    "overflow (not until apply_if_finite's max_consecutive_errors is exceeded), so the "
+    "following steps overflow too. loss_scaling already skips non-finite steps: drop "
+    "apply_if_finite, or put it inside: "
+    "jmp_policy.loss_scaling(optax.apply_if_finite(inner, max_consecutive_errors)).")
+
+# Optax wrappers whose state holds the wrapped transformation's state in ``field`` and
+# that transform or check the gradients before handing them on.
+_WRAPPERS_BEFORE = (
+    (optax.MultiStepsState, "inner_opt_state", _INSIDE_MULTISTEPS),
+    (optax.ApplyIfFiniteState, "inner_state", _INSIDE_APPLY_IF_FINITE),
+)
+
 _AFTER_IN_CHAIN = (
     "it comes after {n} other transformation{s} in an {kind} (state{s} {before}), which "
     "therefore see the scaled gradients, non-finite ones included: a clip would clip the "
@@ -401,54 +518,8 @@ _AFTER_IN_CHAIN = (
     "not an optax chain's state, pass the LossScalingState's own sub-state.)")
 
 
-def loss_scaling_state(opt_state: Any) -> LossScalingState:
-    """The one `LossScalingState` inside ``opt_state``, wherever it is nested.
-
-    It refuses, with a ``ValueError`` naming the right composition, a state whose
-    position shows that gradients reach `loss_scaling` already transformed: inside
-    ``optax.MultiSteps`` (it would accumulate scaled, possibly non-finite,
-    gradients), or after another transformation in ``optax.chain`` /
-    ``optax.named_chain`` (it would see scaled gradients).
-    """
-    found = _find_states(opt_state)
-    if not found:
-        raise ValueError(
-            "No LossScalingState found in the optimizer state; build the optimizer with "
-            "jmp_policy.loss_scaling(inner, loss_scale) and pass its state.")
-    if len(found) > 1:
-        raise ValueError(
-            f"The optimizer state holds {len(found)} LossScalingStates, so the loss scale is "
-            "ambiguous; pass the sub-state of the one you mean.")
-    if found[0].misplaced is not None:
-        raise ValueError(
-            f"The loss_scaling transformation whose state is at opt_state{found[0].path} is "
-            f"composed in an order that gives it the wrong gradients: {found[0].misplaced}")
-    return found[0].state
-
-
-def get_loss_scale(opt_state: Any) -> LossScale:
-    """The loss scale of the `LossScalingState` inside ``opt_state``.
-
-    The state may be nested anywhere: ``optax.chain``, ``named_chain``,
-    ``inject_hyperparams``, ``MultiSteps``, dicts, tuples... A composition that
-    gives `loss_scaling` the wrong gradients is a ``ValueError`` naming the right
-    one: ``optax.MultiSteps(loss_scaling(inner), k)`` (use
-    ``loss_scaling(optax.MultiSteps(inner, k))``) and a transformation before
-    `loss_scaling` in a chain, such as ``optax.chain(optax.clip(1.0),
-    loss_scaling(inner))`` (use ``loss_scaling(optax.chain(optax.clip(1.0), inner))``).
-
-    >>> import jax.numpy as jnp, optax
-    >>> import jmp_policy
-    >>> tx = jmp_policy.loss_scaling(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
-    >>> float(jmp_policy.get_loss_scale(tx.init(jnp.zeros(2))).loss_scale)
-    32768.0
-    >>> wrong = optax.MultiSteps(jmp_policy.loss_scaling(optax.sgd(0.1)), every_k_schedule=2)
-    >>> jmp_policy.get_loss_scale(wrong.init(jnp.zeros(2)))
-    Traceback (most recent call last):
-    ...
-    ValueError: The loss_scaling transformation whose state is at opt_state.inner_opt_state is composed in an order that gives it the wrong gradients: it is inside optax.MultiSteps, ...
-    """
-    return loss_scaling_state(opt_state).loss_scale
+# ---------------------------------------------------------------------------
+# Gradients of the scaled loss: scaled_value_and_grad.
 
 
 def scaled_loss_fn(fun: Callable[..., Any], loss_scale: LossScaleLike,

@@ -14,13 +14,13 @@ dtype(bfloat16)
 
 from __future__ import annotations
 
-import numbers
 import contextlib
 import dataclasses
 import functools
+import numbers
 import threading
 import warnings
-from typing import Any, Callable, Iterator, Literal, Mapping, Optional, ParamSpec, TypeVar, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, ParamSpec, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +28,16 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jmp_policy import dtypes as _dtypes
+from jmp_policy.loss_scale import (
+    DEFAULT_DYNAMIC,
+    NO_SCALING,
+    DynamicLossScale,
+    LossScale,
+    LossScaleConfig,
+    NoOpLossScale,
+    StaticLossScale,
+)
 from jmp_policy.policy import _casting
-from jmp_policy import loss_scale as _ls
-from jmp_policy.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -59,106 +66,10 @@ _WITH_F32_VARS = "_with_float32_vars"
 _INFER_NAMES = ("infer", "infer_float32_vars", "infer_with_float32_vars")
 
 
-# ---------------------------------------------------------------------------
-# Loss-scale configuration: the static, hashable part of a loss scale, which a
-# policy stores as part of its value (a loss-scale object holds arrays).
-# ---------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class _LossScaleConfig:
-    kind: Literal["none", "static", "dynamic"]
-    scale: float = 1.0
-    period: int = 2000
-    factor: Union[int, float] = 2
-    min_scale: float = 1.0
-    max_scale: Optional[float] = None
-
-    def build(self) -> _ls.LossScale:
-        """A fresh loss-scale object with these settings."""
-        if self.kind == "none":
-            return _ls.NoOpLossScale()
-        if self.kind == "static":
-            return _ls.StaticLossScale(np.float32(self.scale))
-        return _ls.DynamicLossScale(
-            loss_scale=np.float32(self.scale), period=self.period, factor=self.factor,
-            min_loss_scale=np.float32(self.min_scale),
-            max_loss_scale=None if self.max_scale is None else np.float32(self.max_scale))
-
-    def __str__(self) -> str:
-        """The form written after ``loss_scale=`` in a policy name."""
-        if self.kind == "none":
-            return "none"
-        if self.kind == "static":
-            return repr(self.scale)
-        if self == _DEFAULT_DYNAMIC:
-            return "dynamic"
-        max_ = "none" if self.max_scale is None else repr(self.max_scale)
-        return (f"dynamic(initial={self.scale!r};period={self.period};factor={self.factor!r};"
-                f"min={self.min_scale!r};max={max_})")
-
-
-_NO_SCALING = _LossScaleConfig("none")
-# The settings of `DynamicLossScale()`, written out so that building a policy
-# does not create arrays (which would start JAX's backends at import time).
-_DEFAULT_DYNAMIC = _LossScaleConfig("dynamic", scale=2.0**15)
-
-
-def _concrete_float(x: Any, what: str) -> float:
-    try:
-        return float(np.asarray(x))
-    except (TypeError, jax.errors.ConcretizationTypeError):
-        raise TypeError(
-            f"A policy's loss scale is static configuration, but {what} is a traced value; "
-            "build the policy outside jit, or pass the loss scale to loss_scaling() instead."
-        ) from None
-
-
-def _loss_scale_config(loss_scale: Any) -> _LossScaleConfig:
-    """The configuration of a ``loss_scale=`` argument (anything `loss_scaling` accepts)."""
-    ls = as_loss_scale(loss_scale)
-    if isinstance(ls, _ls.NoOpLossScale):
-        return _NO_SCALING
-    if isinstance(ls, _ls.StaticLossScale):
-        return _LossScaleConfig("static", scale=_concrete_float(ls.loss_scale, "loss_scale"))
-    max_ = ls.max_loss_scale
-    return _LossScaleConfig(
-        "dynamic",
-        scale=_concrete_float(ls.loss_scale, "loss_scale"),
-        period=int(ls.period),
-        factor=ls.factor,
-        min_scale=_concrete_float(ls.min_loss_scale, "min_loss_scale"),
-        max_scale=None if max_ is None else _concrete_float(max_, "max_loss_scale"),
-    )
-
-
-def _loss_scale_from_text(text: str) -> _LossScaleConfig:
-    """Parses what follows ``loss_scale=`` in a name (the inverse of ``str(config)``)."""
-    if text == "none":
-        return _NO_SCALING
-    if text == "dynamic":
-        return _DEFAULT_DYNAMIC
-    if text.startswith("dynamic(") and text.endswith(")"):
-        fields = dict(item.split("=", 1) for item in text[8:-1].split(";") if "=" in item)
-        if sorted(fields) != ["factor", "initial", "max", "min", "period"]:
-            raise ValueError(f"Malformed dynamic loss scale {text!r}: expected "
-                             "dynamic(initial=..;period=..;factor=..;min=..;max=..).")
-        factor, max_ = fields["factor"], fields["max"]
-        return _loss_scale_config(_ls.DynamicLossScale(
-            loss_scale=np.float32(float(fields["initial"])), period=int(fields["period"]),
-            factor=int(factor) if factor.isdigit() else float(factor),
-            min_loss_scale=np.float32(float(fields["min"])),
-            max_loss_scale=None if max_ == "none" else np.float32(float(max_))))
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"Unknown loss_scale {text!r} in policy name: expected 'dynamic', "
-                         "'none' or a number (a static scale).") from None
-    return _loss_scale_config(np.float32(value))
-
-
-def _default_loss_scale(compute: Optional[np.dtype[Any]]) -> _LossScaleConfig:
+def _default_loss_scale(compute: Optional[np.dtype[Any]]) -> LossScaleConfig:
     # float16's 5 exponent bits flush small gradients to zero; bfloat16 and
     # float32 share float32's exponent range and never need scaling.
-    return _DEFAULT_DYNAMIC if compute == _F16 else _NO_SCALING
+    return DEFAULT_DYNAMIC if compute == _F16 else NO_SCALING
 
 
 # ---------------------------------------------------------------------------
@@ -243,11 +154,11 @@ def _split_parts(full: str) -> tuple[Optional[str], dict[str, str]]:
     return simple, values
 
 
-def _parse_name(full: str) -> tuple[_DTypes, Optional[_LossScaleConfig]]:
+def _parse_name(full: str) -> tuple[_DTypes, Optional[LossScaleConfig]]:
     """A policy name -> its dtypes, and its loss scale if the name gives one."""
     simple, values = _split_parts(full)
     ls_text = values.pop("loss_scale", None)
-    ls = None if ls_text is None else _loss_scale_from_text(ls_text)
+    ls = None if ls_text is None else LossScaleConfig.parse(ls_text)
     if simple is not None:
         if values:
             raise _bad_name(full, f"a name ({simple!r}) cannot be combined with "
@@ -263,7 +174,7 @@ def _parse_name(full: str) -> tuple[_DTypes, Optional[_LossScaleConfig]]:
 
 def _dtypes_from_args(
     first: Union[PolicyLike, DTypeLike], compute: Optional[DTypeLike], output: Optional[DTypeLike]
-) -> tuple[_DTypes, Optional[_LossScaleConfig]]:
+) -> tuple[_DTypes, Optional[LossScaleConfig]]:
     """`Policy`'s positional arguments -> dtypes, and a loss scale if they carry one."""
     if compute is None and output is None:
         if first is None:
@@ -323,7 +234,7 @@ class Policy:
     param_dtype: _PolicyDType
     compute_dtype: _PolicyDType
     output_dtype: _PolicyDType
-    _loss_scale: _LossScaleConfig
+    _loss_scale: LossScaleConfig
 
     def __init__(
         self,
@@ -333,7 +244,7 @@ class Policy:
         *,
         name: Optional[str] = None,
         loss_scale: LossScaleLike = _UNSET,
-        _loss_scale: Optional[_LossScaleConfig] = None,
+        _loss_scale: Optional[LossScaleConfig] = None,
     ) -> None:
         # ``_loss_scale`` is the field as ``dataclasses.replace`` passes it back (jmp's
         # Policy is a dataclass, and code written for jmp replaces its dtypes).
@@ -350,13 +261,13 @@ class Policy:
         if _loss_scale is not None:
             ls = _loss_scale
         if loss_scale is not _UNSET:
-            ls = _loss_scale_config(loss_scale)
+            ls = LossScaleConfig.of(as_loss_scale(loss_scale))
         elif ls is None:
             ls = _default_loss_scale(dtypes[1])
         _set_fields(self, dtypes, ls)
 
     # -- value semantics ---------------------------------------------------
-    def _key(self) -> tuple[Optional[str], Optional[str], Optional[str], _LossScaleConfig]:
+    def _key(self) -> tuple[Optional[str], Optional[str], Optional[str], LossScaleConfig]:
         # By dtype name: numpy's dtype equality holds float64 equal to None
         # (np.dtype(None) is float64), which would make "infer" equal "float64".
         p, c, o = self.param_dtype, self.compute_dtype, self.output_dtype
@@ -414,7 +325,7 @@ class Policy:
         return bool(self.param_dtype != self.compute_dtype)
 
     @property
-    def loss_scale(self) -> _ls.LossScale:
+    def loss_scale(self) -> LossScale:
         """A fresh loss-scale object built from this policy's loss-scale settings."""
         return self._loss_scale.build()
 
@@ -460,7 +371,7 @@ def _dtype_name(dtype: Optional[np.dtype[Any]]) -> Optional[str]:
     return None if dtype is None else dtype.name
 
 
-def _set_fields(policy: Policy, dtypes: _DTypes, loss_scale: _LossScaleConfig) -> None:
+def _set_fields(policy: Policy, dtypes: _DTypes, loss_scale: LossScaleConfig) -> None:
     # The one place fields are written: a frozen dataclass is set up through object.
     for field, value in zip(("param_dtype", "compute_dtype", "output_dtype"), dtypes):
         object.__setattr__(policy, field, value)
@@ -471,7 +382,7 @@ def _make(
     param: Optional[np.dtype[Any]],
     compute: Optional[np.dtype[Any]],
     output: Optional[np.dtype[Any]],
-    loss_scale: _LossScaleConfig,
+    loss_scale: LossScaleConfig,
 ) -> Policy:
     """A policy from validated fields, without parsing."""
     policy = object.__new__(Policy)
@@ -541,7 +452,7 @@ def wrap(fn: Callable[P, R], policy: PolicyLike = None) -> Callable[P, R]:
 # ---------------------------------------------------------------------------
 # Global policy (process-wide) and thread-local scopes.
 # ---------------------------------------------------------------------------
-_FLOAT32 = _make(_F32, _F32, _F32, _NO_SCALING)
+_FLOAT32 = _make(_F32, _F32, _F32, NO_SCALING)
 _global = _FLOAT32  # one assignment replaces it, so threads see the old or the new policy
 _local = threading.local()
 
