@@ -273,7 +273,7 @@ def float8_state(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Float8Sta
 
 def _evaluate(closed: ClosedJaxpr, settings: _Settings, values: Sequence[Any],
               slots: Optional[Slots] = None) -> list[Any]:
-    if slots is None and not _eager.staged([*values, *closed.consts]):
+    if slots is None and _eager.compilable([*values, *closed.consts]):
         return settings.programs.run(functools.partial(_interpret, settings=settings),
                                      closed, values)
     return _interpret(closed, values, settings, slots)

@@ -153,10 +153,10 @@ class DotGeneral:
             self._check_precision(closed, scope, precision)
         evaluate = functools.partial(self._evaluate, scope=scope,
                                      accumulate=preferred_element_type is not None)
-        if _eager.staged([lhs, rhs]):
-            out = evaluate(closed, [lhs, rhs])[0]
-        else:
+        if _eager.compilable([lhs, rhs]):
             out = _PROGRAMS[self, scope].run(evaluate, closed, [lhs, rhs])[0]
+        else:
+            out = evaluate(closed, [lhs, rhs])[0]
         if preferred_element_type is not None:
             out = convert(out, np.dtype(preferred_element_type))
         return out

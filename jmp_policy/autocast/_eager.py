@@ -4,9 +4,8 @@ Called outside ``jit``, an evaluation binds every primitive it produces one by
 one, and JAX compiles a program for each: a float8 product's quantization alone
 is dozens. `Programs.run` instead runs an evaluation as one ``jax.jit`` program,
 kept while the function traces to the same jaxpr. Under ``jit``, ``make_jaxpr``
-or a loop body the evaluation is traced into the caller's program as before;
-under eager ``grad`` or ``vmap`` the program is differentiated or batched as a
-whole, as JAX does with any jitted function.
+or a loop body the evaluation is traced into the caller's program, and under
+eager ``grad``, ``jvp`` or ``vmap`` it runs primitive by primitive, as before.
 
 >>> import jax.numpy as jnp, jmp_policy
 >>> f = jmp_policy.autocast(lambda x, w: jnp.tanh(x @ w), "mixed_bfloat16", fp8="tensorwise")
@@ -30,15 +29,18 @@ Evaluate = Callable[[ClosedJaxpr, Sequence[Any]], list[Any]]
 _KEPT = 16
 
 
-def staged(values: Sequence[Any]) -> bool:
-    """Whether any of ``values`` is being traced into a jaxpr (``jit``, ``make_jaxpr``,
-    a loop body), at any depth of ``grad``/``vmap`` tracers around it."""
-    for x in values:
-        while isinstance(x, jax.core.Tracer):
-            if type(x).__name__ == "DynamicJaxprTracer":
-                return True
-            x = getattr(x, "primal", getattr(x, "val", None))
-    return False
+def compilable(values: Sequence[Any]) -> bool:
+    """Whether an evaluation on ``values`` may run as one compiled program: when every
+    value is concrete, so that the call is an eager one.
+
+    Values being traced into a jaxpr (``jit``, ``make_jaxpr``, a loop body) are
+    evaluated into the caller's program. Under eager ``grad``, ``jvp`` or ``vmap``
+    the evaluation runs primitive by primitive as before: their results then stay
+    those of the same transformation of the same function elsewhere, bit for bit
+    (a compiled program of a batched or transposed function rounds in kernels of
+    its own), and a float8 product under ``jvp`` can name itself in the error it raises.
+    """
+    return not any(isinstance(x, jax.core.Tracer) for x in values)
 
 
 class Programs:
