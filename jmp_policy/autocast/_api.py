@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.extend.core import ClosedJaxpr
 
 from jmp_policy.policy import UnmatchedRuleWarning
 from jmp_policy.autocast import modules as _modules
@@ -38,6 +38,7 @@ from jmp_policy.dtypes import F32, DType, convert, represents
 from jmp_policy.autocast.interpreter import matmul
 from jmp_policy.autocast._outputs import PRODUCT, output_kinds
 from jmp_policy.autocast.rules import AutocastWarning, Rules, parse_rules
+from jmp_policy.jaxprs import scoped_eqns
 from jmp_policy.policy import Policy, PolicyLike, as_policy
 
 
@@ -118,7 +119,8 @@ def autocast(
         call = Call.of(fn, args, kwargs)
         if settings.is_identity():
             if parsed.float32_scopes:  # nothing to pin, but a scope that matches nothing is reported
-                _warn_unmatched(settings, parsed.unmatched(_scope_paths(call.trace().jaxpr)))
+                _warn_unmatched(settings, parsed.unmatched(
+                    {path for path, _ in scoped_eqns(call.trace())}))
             return fn(*args, **kwargs)
         closed = call.trace()
         return _finish(call, _evaluate(closed, settings, call.values), closed, settings)
@@ -293,17 +295,3 @@ def _warn_unmatched(settings: _Settings, unmatched: list[tuple[str, list[str]]])
             f"{settings.name} (none is inside a jax.named_scope or module path containing "
             f"{scope!r}).{hint}", UnmatchedRuleWarning, stacklevel=4)
 
-
-def _scope_paths(jaxpr: Jaxpr, prefix: str = "") -> set[str]:
-    """The name-scope paths of every equation of ``jaxpr``, nested jaxprs included."""
-    paths = set()
-    for eqn in jaxpr.eqns:
-        path = "/".join(p for p in (prefix, str(eqn.source_info.name_stack)) if p)
-        paths.add(path)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, ClosedJaxpr):
-                    sub = sub.jaxpr
-                if isinstance(sub, Jaxpr):
-                    paths |= _scope_paths(sub, path)
-    return paths

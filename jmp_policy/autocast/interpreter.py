@@ -45,9 +45,9 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Va
 from jmp_policy.dtypes import is_floating_dtype
 from jmp_policy.dtypes import (
     F32, DType, convert, dtype_of, is_floating, join, represents, retyped, widest)
-from jmp_policy.autocast.rules import (
-    FLOAT32_PRIMITIVES, INDEPENDENT, TRACED_DTYPES, AutocastWarning, Rules)
+from jmp_policy.autocast.rules import FLOAT32_PRIMITIVES, AutocastWarning, Rules, rule_of
 from jmp_policy.jaxprs import bind
+from jmp_policy.paths import join_scope
 
 __all__ = ["Context", "Handler", "MatmulRule", "Observer", "Params", "autocast_jaxpr",
            "eval_equation", "eval_jaxpr", "higher_order_names", "jax_roundings", "matmul",
@@ -172,7 +172,7 @@ class Context:
 
     def at(self, eqn: JaxprEqn) -> Context:
         """The context of ``eqn``, an equation of the jaxpr this context evaluates."""
-        scope = _join_path(self.scope, str(eqn.source_info.name_stack))
+        scope = join_scope(self.scope, str(eqn.source_info.name_stack))
         matched = self.rules.scopes_in(scope)
         if self.rules.float32_scopes:
             self._state.paths.add(scope)
@@ -193,10 +193,6 @@ class Context:
     def unmatched_scopes(self) -> list[tuple[str, list[str]]]:
         """The float32 scopes no equation was in so far, each with near misses."""
         return self.rules.unmatched(self._state.paths)
-
-
-def _join_path(prefix: str, path: str) -> str:
-    return f"{prefix}/{path}" if prefix and path else prefix or path
 
 
 # --- Evaluation ------------------------------------------------------------------------
@@ -245,20 +241,23 @@ def eval_equation(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
 
 
 def _first_order(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
-    name = eqn.primitive.name
+    """A first-order equation at the precision its rule (``rules.PRIMITIVES``) and class
+    give it."""
     if ctx.as_traced or not any(is_floating(x) for x in invals):
         return bind(eqn, invals)
-    if name == "convert_element_type":
+    rule = rule_of(eqn.primitive.name)
+    operands = "promoted" if rule is None else rule.operands
+    if operands == "cast":
         return _convert(ctx, eqn, invals[0])
-    if eqn.params.get("out_dtype") is not None or name in TRACED_DTYPES:
+    if eqn.params.get("out_dtype") is not None or operands == "traced":
         return bind(eqn, _at_traced_dtypes(ctx, eqn, invals))
     cls = "float32" if ctx.pinned else ctx.rules.class_of(eqn.primitive)
     if cls is None:
-        _warn_unknown(ctx, name)
+        _warn_unknown(ctx, eqn.primitive.name)
         return bind(eqn, _at_traced_dtypes(ctx, eqn, invals))
     if cls == "matmul":
         return ctx.matmul(ctx, eqn, invals)
-    if name in INDEPENDENT:  # each operand keeps its dtype (widened for float32)
+    if operands == "independent":  # each operand keeps its dtype (widened for float32)
         return bind(eqn, [ctx.cast(x, join(dtype_of(x), F32)) if cls == "float32" else x
                           for x in invals])
     params = dict(eqn.params)

@@ -48,10 +48,11 @@ from jmp_policy.autocast import autocast
 from jmp_policy.autocast.modules import Call
 from jmp_policy.float8 import Float8Like, Float8Recipe, as_recipe
 from jmp_policy.inspector._observer import (
-    HostSink, Observer, Registry, dead_equations, display_scope, observe, phase_of, rel_error)
+    HostSink, Observer, Registry, dead_equations, observe, rel_error)
 from jmp_policy.autocast.interpreter import higher_order_names
 from jmp_policy.dtypes import F32, is_floating
 from jmp_policy.autocast.rules import parse_rules
+from jmp_policy.paths import display_scope, is_backward
 from jmp_policy.policy import Policy, PolicyLike, as_policy
 
 Phase = Literal["forward", "backward"]
@@ -519,7 +520,7 @@ def _report(registry: Registry, sink: HostSink, meta: _Meta,
         lo = {**_EXACT, "f32_max": lo["max_abs"], **lo}
         rows.append(NumericsRow(
             scope=display_scope(info.path), primitive=info.primitive,
-            phase=phase_of(info.path), dtype=info.dtype,
+            phase="backward" if is_backward(info.path) else "forward", dtype=info.dtype,
             max_abs=lo["max_abs"], overflow=int(lo["overflow"]),
             underflow=_fraction(lo["underflow"], lo["nonzero"]),
             subnormal=_fraction(lo["subnormal"], lo["size"]),
