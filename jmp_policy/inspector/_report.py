@@ -46,7 +46,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from jmp_policy.autocast import modules as _modules
 from jmp_policy.autocast import autocast
 from jmp_policy.autocast.modules import Call
-from jmp_policy.float8 import Float8Like, Float8Recipe, as_recipe
+from jmp_policy.float8 import SCALINGS, Float8Like, Float8Recipe, as_recipe
 from jmp_policy.inspector._observer import (
     HostSink, Observer, Registry, dead_equations, observe, rel_error)
 from jmp_policy.autocast.interpreter import higher_order_names
@@ -194,7 +194,9 @@ class NumericsReport(SequenceABC[NumericsRow]):
         return NumericsReport(ranked[:n], self._meta)
 
     def __str__(self) -> str:
-        return _table(self._rows, self._meta)
+        """The rows as a table, then the next step: the ``autocast`` call with the
+        suggested rules and, with a backward pass in float16, the loss scale."""
+        return "\n".join([_table(self._rows, self._meta), *_next_step(self._rows, self._meta)])
 
     def __repr__(self) -> str:
         return (f"<NumericsReport of {self._meta.name} under {self._meta.policy}: "
@@ -232,19 +234,12 @@ class NumericsReport(SequenceABC[NumericsRow]):
         rules=...)``. An overflow outside any ``jax.named_scope`` cannot be
         pinned by scope: a warning names it.
         """
-        rules = dict(self._meta.rules or {})
-        listed = list(rules.get("float32_scopes", ()))
-        if isinstance(listed, str):
-            listed = [listed]
-        for row in self._rows:
-            if row.overflow and not row.scope:
-                warnings.warn(
-                    f"{row.primitive!r} ({row.phase}) overflows outside any jax.named_scope, "
-                    "so no float32 scope can pin it: wrap that code in "
-                    "jax.named_scope('name') and inspect again.", UserWarning, stacklevel=2)
-            elif row.overflow and row.scope not in listed:
-                listed.append(row.scope)
-        rules["float32_scopes"] = _outermost(listed)
+        rules, unscoped = _suggested_rules(self._rows, self._meta)
+        for row in unscoped:
+            warnings.warn(
+                f"{row.primitive!r} ({row.phase}) overflows outside any jax.named_scope, "
+                "so no float32 scope can pin it: wrap that code in "
+                "jax.named_scope('name') and inspect again.", UserWarning, stacklevel=2)
         return rules
 
     def suggest_loss_scale(self) -> float:
@@ -302,17 +297,12 @@ def inspect_numerics(
         raise TypeError(f"inspect_numerics expects a callable, got {fn!r}.")
     resolved = as_policy(policy)
     parse_rules(rules, higher_order_names())  # bad rules are an error now, not at the call
-    recipe = as_recipe(fp8)
-    if recipe is not None and recipe.delayed:
-        raise ValueError(
-            "inspect_numerics cannot take a delayed-scaling Float8Recipe: its scales depend "
-            "on amax histories of earlier steps, which one inspected call does not have. "
-            "Inspect with fp8='tensorwise' (the same formats, scaled by the values' own "
-            "maxima, which a settled history approaches).")
+    recipe = _current_recipe(fp8)
     positions = _argnums(argnums)
     name = _function_name(fn)
     meta = _Meta(name, resolved.name, None if recipe is None else _recipe_name(recipe),
                  rules, positions is not None)
+    programs = _Programs()
 
     @functools.wraps(fn)
     def inspect(*args: Any, **kwargs: Any) -> NumericsReport:
@@ -323,14 +313,7 @@ def inspect_numerics(
                 "report on the host, so call it outside jax.jit, grad and vmap.")
         wrt = _differentiated(positions, args, call, name)
         closed = _program_jaxpr(call, wrt, resolved, rules, recipe, name)
-        compute = _compute_dtype(resolved, call.values)
-        # The jaxpr's text, scopes included, says what the program computes: a call that
-        # traces the same jaxpr (closures unchanged but for array values) reuses it.
-        key = (closed.jaxpr.pretty_print(name_stack=True), compute)
-        program = programs.pop(key, None) or _Program.of(closed.jaxpr, compute)
-        programs[key] = program
-        while len(programs) > _PROGRAMS:
-            programs.popitem(last=False)
+        program = programs.of(closed.jaxpr, _compute_dtype(resolved, call.values))
 
         def run(scale: float) -> HostSink:
             return program.run(closed.consts, call.values, scale)
@@ -339,8 +322,38 @@ def inspect_numerics(
         gradients = _gradients(program.registry, first, run) if wrt is not None else None
         return _report(program.registry, first, meta, gradients)
 
-    programs: collections.OrderedDict[tuple[str, Any], _Program] = collections.OrderedDict()
     return inspect
+
+
+def _current_recipe(fp8: Float8Like) -> Optional[Float8Recipe]:
+    """``fp8`` as a recipe, which must scale currently: one inspected call has no history."""
+    recipe = as_recipe(fp8)
+    if recipe is not None and recipe.delayed:
+        raise ValueError(
+            "inspect_numerics cannot take a delayed-scaling Float8Recipe: its scales depend "
+            "on amax histories of earlier steps, which one inspected call does not have. "
+            "Inspect with fp8='tensorwise' (the same formats, scaled by the values' own "
+            "maxima, which a settled history approaches).")
+    return recipe
+
+
+class _Programs:
+    """The compiled inspections of one ``inspect_numerics`` function, the newest kept."""
+
+    def __init__(self) -> None:
+        self._kept: collections.OrderedDict[tuple[str, Any], _Program] = (
+            collections.OrderedDict())
+
+    def of(self, jaxpr: Jaxpr, compute: Any) -> _Program:
+        """The program inspecting ``jaxpr``, compiled once: the jaxpr's text, scopes
+        included, says what it computes, so a call that traces the same jaxpr (closures
+        unchanged but for array values) reuses it."""
+        key = (jaxpr.pretty_print(name_stack=True), compute)
+        program = self._kept.pop(key, None) or _Program.of(jaxpr, compute)
+        self._kept[key] = program
+        while len(self._kept) > _PROGRAMS:
+            self._kept.popitem(last=False)
+        return program
 
 
 _PROGRAMS = 4  # compiled inspections kept per inspect_numerics function, the oldest dropped
@@ -557,6 +570,45 @@ def _finite_or_null(x: Any) -> Any:
     if isinstance(x, list):
         return [_finite_or_null(v) for v in x]
     return x
+
+
+def _suggested_rules(rows: Sequence[NumericsRow],
+                     meta: _Meta) -> tuple[dict[str, Any], list[NumericsRow]]:
+    """`NumericsReport.suggest_rules` of ``rows``, and the overflowing rows outside any
+    scope, which no rule can pin."""
+    rules = dict(meta.rules or {})
+    listed = list(rules.get("float32_scopes", ()))
+    if isinstance(listed, str):
+        listed = [listed]
+    unscoped = []
+    for row in rows:
+        if row.overflow and not row.scope:
+            unscoped.append(row)
+        elif row.overflow and row.scope not in listed:
+            listed.append(row.scope)
+    rules["float32_scopes"] = _outermost(listed)
+    return rules, unscoped
+
+
+def _next_step(rows: Sequence[NumericsRow], meta: _Meta) -> list[str]:
+    """The lines that end a printed report: the ``autocast`` call to make next, with the
+    suggested rules and, where the backward pass holds values in float16, the loss scale
+    to train with."""
+    rules, unscoped = _suggested_rules(rows, meta)
+    args = [meta.name, repr(meta.policy)]
+    if rules["float32_scopes"] or len(rules) > 1:
+        args.append(f"rules={rules!r}")
+    if meta.fp8 is not None:
+        args.append(f"fp8={meta.fp8!r}" if meta.fp8 in SCALINGS else f"fp8={meta.fp8}")
+    lines = [f"Next: autocast({', '.join(args)})"]
+    lines += [f"      {row.primitive} ({row.phase}) overflows outside any jax.named_scope: "
+              "wrap it in one to pin it" for row in unscoped]
+    histogram = meta.gradient_histogram
+    if meta.backward and histogram is not None and histogram.any():
+        scale = _loss_scale(histogram, meta.gradient_max, warn=False)
+        lines.append(f"      with the loss scaled by 2**{int(math.log2(scale))} = {scale:g} "
+                     "(NumericsReport.suggest_loss_scale)")
+    return lines
 
 
 def _outermost(scopes: list[str]) -> list[str]:
