@@ -24,8 +24,8 @@ import pytest
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 
-from jaxpr_walk import eqns, scoped_eqns
 import jmp_policy
+from jaxpr_walk import eqns, scoped_eqns
 from jmp_policy import Float8Recipe, autocast
 
 cp = jax.checkpoint_policies

@@ -33,7 +33,8 @@ from jmp_policy.autocast.modules import Call
 from jmp_policy.float8 import Float8State, Slots, make_state
 from jmp_policy.float8 import Float8Like, Float8Recipe, as_recipe
 from jmp_policy.autocast._float8 import FLOAT8_PRODUCTS, float8_matmul
-from jmp_policy.autocast.interpreter import Context, eval_jaxpr, higher_order_names
+from jmp_policy.autocast.interpreter import (
+    Context, compute_dtype, eval_jaxpr, higher_order_names)
 from jmp_policy.dtypes import F32, DType, convert, represents
 from jmp_policy.autocast.interpreter import matmul
 from jmp_policy.autocast._outputs import PRODUCT, output_kinds
@@ -154,10 +155,8 @@ class _Settings:
 
     def dtypes(self, values: Sequence[Any]) -> tuple[DType, DType]:
         """The compute and output dtypes of a call with array leaves ``values``."""
-        compute, output = self.policy.compute_dtype, self.policy.output_dtype
-        if compute is None:  # deprecated infer policies: compute follows the first floating input
-            compute = next((np.dtype(x.dtype) for x in values if _is_float(x)), F32)
-        return np.dtype(compute), np.dtype(compute if output is None else output)
+        compute, output = compute_dtype(self.policy, values), self.policy.output_dtype
+        return compute, np.dtype(compute if output is None else output)
 
     def is_identity(self) -> bool:
         """True when autocast changes nothing: float32 (or wider) compute and output, no float8."""
@@ -170,9 +169,6 @@ class _Settings:
 def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
-
-def _is_float(x: Any) -> bool:
-    return jax.numpy.issubdtype(x.dtype, np.floating)
 
 
 def _finish(call: Call, outs: list[Any], closed: ClosedJaxpr, settings: _Settings) -> Any:

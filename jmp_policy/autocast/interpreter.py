@@ -7,7 +7,7 @@ which picks the precision:
   the handler registered for it with `register` (see ``_higher_order``);
 * a primitive without floating inputs, or whose parameters fix its dtypes,
   runs as traced;
-* otherwise its class decides (see ``_rules``): matrix work goes to
+* otherwise its rule and class decide (see ``rules``): matrix work goes to
   ``Context.matmul``, float32 primitives get inputs widened to at least
   float32, the others take the widest dtype of their inputs.
 
@@ -48,9 +48,10 @@ from jmp_policy.dtypes import (
 from jmp_policy.autocast.rules import FLOAT32_PRIMITIVES, AutocastWarning, Rules, rule_of
 from jmp_policy.jaxprs import bind
 from jmp_policy.paths import join_scope
+from jmp_policy.policy import Policy
 
 __all__ = ["Context", "Handler", "MatmulRule", "Observer", "Params", "autocast_jaxpr",
-           "eval_equation", "eval_jaxpr", "higher_order_names", "jax_roundings", "matmul",
+           "compute_dtype", "eval_equation", "eval_jaxpr", "higher_order_names", "jax_roundings", "matmul",
            "register"]
 
 Handler = Callable[["Context", JaxprEqn, list[Any]], Any]
@@ -138,7 +139,7 @@ class Context:
     Attributes:
       compute: the dtype of matrix work.
       rules: the primitive classes and float32 scopes.
-      matmul: the rule for equations of the matmul class (see ``_matmul``).
+      matmul: the rule for equations of the matmul class (see `matmul`).
       observe: called after every equation, nested ones included.
       scope: the ``jax.named_scope`` path of the current equation
         (``"block/attention"``), once narrowed with `at`.
@@ -502,6 +503,22 @@ _REWRITES = _RewriteCache()
 
 
 # --- The matmul class -------------------------------------------------------------------
+
+def compute_dtype(policy: Policy, values: Sequence[Any]) -> DType:
+    """The dtype of matrix work for a call of ``policy`` on the array leaves ``values``:
+    the policy's, or for the deprecated infer policies (no compute dtype) the dtype of the
+    first floating value, float32 without one.
+
+    >>> import jax.numpy as jnp, jmp_policy
+    >>> compute_dtype(jmp_policy.get_policy("mixed_bfloat16"), [])
+    dtype(bfloat16)
+    """
+    compute = policy.compute_dtype
+    if compute is None:
+        compute = next((np.dtype(x.dtype) for x in values if is_floating(x)), F32)
+    dtype: DType = np.dtype(compute)
+    return dtype
+
 
 def matmul(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
     """Floating operands and result in ``ctx.compute``, accumulated in float32.

@@ -29,7 +29,8 @@ from jax.extend.core import JaxprEqn
 
 from jmp_policy.dtypes import is_floating_dtype
 from jmp_policy.float8 import _blocks
-from jmp_policy.paths import is_backward, scope_names
+from jmp_policy.paths import is_backward as is_backward  # jmp_policy.float8 exports it
+from jmp_policy.paths import scope_names
 
 Scaling = Literal["tensorwise", "rowwise", "delayed", "mxfp8", "nvfp4"]
 SCALINGS: tuple[Scaling, ...] = ("tensorwise", "rowwise", "delayed", "mxfp8", "nvfp4")

@@ -49,8 +49,8 @@ from jmp_policy.autocast.modules import Call
 from jmp_policy.float8 import SCALINGS, Float8Like, Float8Recipe, as_recipe
 from jmp_policy.inspector._observer import (
     HostSink, Observer, Registry, dead_equations, observe, rel_error)
-from jmp_policy.autocast.interpreter import higher_order_names
-from jmp_policy.dtypes import F32, is_floating
+from jmp_policy.autocast.interpreter import compute_dtype, higher_order_names
+from jmp_policy.dtypes import is_floating
 from jmp_policy.autocast.rules import parse_rules
 from jmp_policy.paths import display_scope, is_backward
 from jmp_policy.policy import Policy, PolicyLike, as_policy
@@ -158,7 +158,18 @@ class NumericsReport(SequenceABC[NumericsRow]):
 
     A report is a sequence of `NumericsRow` in program order (``report[0]``,
     ``len(report)``, ``for row in report``); `worst` and slicing give reports
-    of fewer rows. ``str(report)`` is a table of its rows.
+    of fewer rows. ``str(report)`` is a table of its rows that ends with the
+    next step: the ``autocast`` call with `suggest_rules` and, where the
+    backward pass holds values in float16, `suggest_loss_scale`.
+
+    >>> import jax, jax.numpy as jnp, jmp_policy
+    >>> def layer(x, w):
+    ...     with jax.named_scope("boom"):
+    ...         return (x * 1000.0) @ w
+    >>> report = jmp_policy.inspect_numerics(layer, "mixed_float16")(
+    ...     jnp.full((2, 3), 100.0), jnp.ones((3, 4)))
+    >>> str(report).splitlines()[-1]
+    "Next: autocast(layer, 'mixed_float16', rules={'float32_scopes': ['boom']})"
     """
 
     def __init__(self, rows: Sequence[NumericsRow], meta: _Meta):
@@ -288,10 +299,16 @@ def inspect_numerics(
       fn: the function, as given to `jmp_policy.autocast` (``jit``-ed functions,
         Flax ``apply`` and NNX modules included).
       policy, rules, fp8: as for `jmp_policy.autocast`.
-      argnums: ``None`` (the forward pass only), or an int or tuple of ints as
-        in ``jax.grad``: the backward pass of ``fn``'s output, which must then
-        be a scalar, with respect to the floating leaves of those positional
-        arguments is inspected too.
+      argnums: ``None`` (the forward pass only), or an int or tuple of ints as in
+        ``jax.grad``: the backward pass of ``fn``'s output (then a scalar) with
+        respect to the floating leaves of those positional arguments too.
+
+    >>> import jax.numpy as jnp, jmp_policy
+    >>> loss = lambda w, x: jnp.sum(x @ w)
+    >>> report = jmp_policy.inspect_numerics(loss, "mixed_float16", argnums=0)(
+    ...     jnp.ones((3, 4)), jnp.ones((2, 3)))
+    >>> sorted({row.phase for row in report})
+    ['backward', 'forward']
     """
     if not callable(fn):
         raise TypeError(f"inspect_numerics expects a callable, got {fn!r}.")
@@ -306,14 +323,10 @@ def inspect_numerics(
 
     @functools.wraps(fn)
     def inspect(*args: Any, **kwargs: Any) -> NumericsReport:
-        call = Call.of(fn, args, kwargs)
-        if any(isinstance(x, Tracer) for x in call.values):
-            raise TypeError(
-                f"inspect_numerics({name}) was called with traced values: it builds its "
-                "report on the host, so call it outside jax.jit, grad and vmap.")
+        call = _untraced(Call.of(fn, args, kwargs), name)
         wrt = _differentiated(positions, args, call, name)
         closed = _program_jaxpr(call, wrt, resolved, rules, recipe, name)
-        program = programs.of(closed.jaxpr, _compute_dtype(resolved, call.values))
+        program = programs.of(closed.jaxpr, compute_dtype(resolved, call.values))
 
         def run(scale: float) -> HostSink:
             return program.run(closed.consts, call.values, scale)
@@ -323,6 +336,15 @@ def inspect_numerics(
         return _report(program.registry, first, meta, gradients)
 
     return inspect
+
+
+def _untraced(call: Call, name: str) -> Call:
+    """``call``, whose values must be arrays, not tracers: the report is made on the host."""
+    if any(isinstance(x, Tracer) for x in call.values):
+        raise TypeError(
+            f"inspect_numerics({name}) was called with traced values: it builds its "
+            "report on the host, so call it outside jax.jit, grad and vmap.")
+    return call
 
 
 def _current_recipe(fp8: Float8Like) -> Optional[Float8Recipe]:
@@ -420,13 +442,6 @@ def _gradient_max(registry: Registry, sink: HostSink) -> float:
     top: float = max((s["f32_max"] if "f32_max" in s else s["max_abs"]
                       for n, s in sink.stats.items() if registry.rows[n].gradient), default=0.0)
     return top / sink.scale
-
-
-def _compute_dtype(policy: Policy, values: Sequence[Any]) -> Any:
-    compute = policy.compute_dtype
-    if compute is None:  # deprecated infer policies: compute follows the first floating input
-        compute = next((np.dtype(x.dtype) for x in values if is_floating(x)), F32)
-    return np.dtype(compute)
 
 
 def _function_name(fn: Callable[..., Any]) -> str:
