@@ -124,8 +124,9 @@ def _registry(*groups: tuple[PrimitiveRule, str]) -> dict[str, PrimitiveRule]:
     registry: dict[str, PrimitiveRule] = {}
     for rule, names in groups:
         for name in names.split():
-            if registry.setdefault(name, rule) is not rule:
+            if name in registry:
                 raise ValueError(f"autocast's registry lists {name!r} twice.")
+            registry[name] = rule
     return registry
 
 
