@@ -1,18 +1,29 @@
 """Jaxpr equations, read and evaluated again: what autocast, float8 and the inspector share.
 
+`bind` evaluates an equation again; `sub_jaxprs` finds the jaxprs a
+higher-order equation holds (a ``jit``'s body, a ``cond``'s branches) and
+`scoped_eqns` walks every equation, nested ones included, with its scope path.
+
 >>> import jax, jax.numpy as jnp
 >>> eqn = jax.make_jaxpr(jnp.sin)(1.0).jaxpr.eqns[0]
 >>> float(bind(eqn, [0.0]))
 0.0
+>>> def f(x):
+...     with jax.named_scope("block"):
+...         return jax.jit(jnp.sin)(x)
+>>> [(path, e.primitive.name) for path, e in scoped_eqns(jax.make_jaxpr(f)(1.0))]
+[('block', 'jit'), ('block', 'sin')]
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, Union
 
-from jax.extend.core import JaxprEqn
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
-__all__ = ["bind"]
+from jmp_policy.paths import join_scope
+
+__all__ = ["bind", "scoped_eqns", "sub_jaxprs"]
 
 
 def bind(eqn: JaxprEqn, invals: Sequence[Any], params: Optional[dict[str, Any]] = None) -> Any:
@@ -20,3 +31,27 @@ def bind(eqn: JaxprEqn, invals: Sequence[Any], params: Optional[dict[str, Any]] 
     params = eqn.params if params is None else params
     bind_params = eqn.primitive.get_bind_params(params)  # type: ignore[no-untyped-call]
     return eqn.primitive.bind(*invals, **bind_params)  # type: ignore[no-untyped-call]
+
+
+def sub_jaxprs(eqn: JaxprEqn, param: Optional[str] = None) -> list[Jaxpr]:
+    """The jaxprs in ``eqn``'s parameters (only in ``param`` if given), closed ones opened,
+    in parameter order: a call's body, a loop's condition and body, a ``cond``'s
+    branches; none for a first-order equation."""
+    values = eqn.params.values() if param is None else [eqn.params[param]]
+    return [x.jaxpr if isinstance(x, ClosedJaxpr) else x
+            for value in values
+            for x in (value if isinstance(value, (tuple, list)) else (value,))
+            if isinstance(x, (Jaxpr, ClosedJaxpr))]
+
+
+def scoped_eqns(jaxpr: Union[Jaxpr, ClosedJaxpr],
+                scope: str = "") -> Iterator[tuple[str, JaxprEqn]]:
+    """``(scope path, equation)`` for every equation of ``jaxpr`` in order, each followed
+    by those of its sub-jaxprs, whose paths start with its own (see `paths.join_scope`)."""
+    if isinstance(jaxpr, ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    for eqn in jaxpr.eqns:
+        path = join_scope(scope, str(eqn.source_info.name_stack))
+        yield path, eqn
+        for sub in sub_jaxprs(eqn):
+            yield from scoped_eqns(sub, path)

@@ -2,20 +2,27 @@
 
 A leaf's path is its key path (``params/Dense_0/kernel``); an operation's scope
 is its ``jax.named_scope`` path, in which JAX wraps the scopes a
-transformation traced (``transpose(jvp(block))``).
+transformation traced (``transpose(jvp(block))``) and names the forward
+values that a ``jax.checkpoint`` recomputes in the backward pass
+(``rematted_computation``).
 
 >>> scope_names("transpose(jvp(block))/dense")
 ['block', 'dense']
+>>> join_scope("model", "block/dense")
+'model/block/dense'
+>>> is_backward("transpose(jvp(block))/dense"), is_backward("jvp(block)/dense")
+(True, False)
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Sequence
 
 import jax
 
-__all__ = ["path_str", "scope_names"]
+__all__ = ["display_scope", "is_backward", "join_scope", "path_str", "scope_names"]
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -25,6 +32,10 @@ def path_str(path: Sequence[Any]) -> str:
 
 _TRANSFORMS = re.compile(r"^(?:\w+\()+|\)+$")
 
+# JAX names the recomputation of a `jax.checkpoint` in the backward pass with this scope:
+# forward values computed again, not gradients.
+_REMAT_SCOPE = "rematted_computation"
+
 
 def scope_names(path: str) -> list[str]:
     """The ``jax.named_scope`` names in a name-stack path, without JAX's transformations.
@@ -33,3 +44,57 @@ def scope_names(path: str) -> list[str]:
     (``transpose(jvp(block))``); a float32 scope matches those equations too.
     """
     return [name for name in (_TRANSFORMS.sub("", part) for part in path.split("/")) if name]
+
+
+def join_scope(prefix: str, path: str) -> str:
+    """The scope path of an equation with name stack ``path`` inside a call at ``prefix``
+    (either may be empty): how a nested jaxpr's equations get their callers' scopes.
+
+    >>> join_scope("", "dense"), join_scope("block", "")
+    ('dense', 'block')
+    """
+    return f"{prefix}/{path}" if prefix and path else prefix or path
+
+
+@functools.lru_cache(maxsize=4096)
+def is_backward(path: str) -> bool:
+    """Whether the equation at scope ``path`` belongs to the backward pass.
+
+    JAX's transposition wraps the scopes it writes (``transpose(jvp(block))``);
+    inside them, a ``jax.checkpoint`` recomputes forward values under
+    ``rematted_computation``, which are forward work again. The innermost of
+    the two decides, so a gradient taken inside a recomputation is backward.
+
+    >>> is_backward("transpose(jvp(model))/rematted_computation/mlp")
+    False
+    """
+    backward = False
+    for part in path.split("/"):
+        if part == _REMAT_SCOPE:
+            backward = False
+        elif "transpose(" in part:
+            backward = True
+    return backward
+
+
+@functools.lru_cache(maxsize=4096)
+def display_scope(path: str) -> str:
+    """A name-stack path as users wrote it: ``/``-joined scope names, JAX's wrappers removed.
+
+    A transformation repeats the name of the scope it traced
+    (``transpose(jvp(block))/jvp(block)``): a name repeated next to a wrapped
+    one is shown once. JAX's own recomputation scope is dropped.
+
+    >>> display_scope("transpose(jvp(model))/jvp(model)/rematted_computation/mlp")
+    'model/mlp'
+    """
+    names: list[str] = []
+    wrapped_before = False
+    for part in path.split("/"):
+        name = "/".join(scope_names(part))
+        wrapped = name != part
+        if name and name != _REMAT_SCOPE and not (
+                names and names[-1] == name and (wrapped or wrapped_before)):
+            names.append(name)
+        wrapped_before = wrapped
+    return "/".join(names)

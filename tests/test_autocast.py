@@ -383,6 +383,28 @@ def test_primitive_lists_are_importable_from_the_autocast_package():
     assert jmp_policy.autocast is autocast and callable(jmp_policy.autocast)
 
 
+def test_a_primitives_whole_behaviour_is_one_registry_entry():
+    from jmp_policy.autocast import (
+        FLOAT32_PRIMITIVES, FOLLOW_PRIMITIVES, MATMUL_PRIMITIVES, RANGE_PRIMITIVES)
+    from jmp_policy.autocast.rules import PRIMITIVES
+
+    def entry(name):
+        r = PRIMITIVES[name]
+        return r.cls, r.operands, r.output, r.preserves_values
+
+    assert entry("dot_general") == ("matmul", "promoted", "class", False)
+    assert entry("exp") == ("float32", "promoted", "class", False)
+    assert entry("sort") == ("follow", "independent", "class", True)
+    assert entry("select_n") == ("follow", "promoted", "choice", True)
+    assert entry("convert_element_type") == (None, "cast", "cast", False)
+    assert entry("scatter-add") == (None, "traced", "class", False)
+    # The documented tables are the registry's classes.
+    for cls, table in [("matmul", MATMUL_PRIMITIVES), ("float32", FLOAT32_PRIMITIVES),
+                       ("follow", FOLLOW_PRIMITIVES)]:
+        assert table == {n for n, r in PRIMITIVES.items() if r.cls == cls}
+    assert RANGE_PRIMITIVES == {"square", "integer_pow"} <= FLOAT32_PRIMITIVES
+
+
 def test_policy_is_resolved_at_construction_and_validated():
     with jmp_policy.policy_scope("mixed_bfloat16"):
         f = autocast(lambda x: x @ x)

@@ -261,7 +261,24 @@ def test_report_is_a_sequence_and_a_table(report):
     assert "mixed_float16" in lines[0] and "1 overflowing" in lines[0]
     assert lines[1].split("|")[0].strip() == "scope" and "rel_error" in lines[1]
     assert "shapes" in lines[1]
-    assert lines[3].startswith("boom ") and len(lines) == 3 + 3
+    assert lines[3].startswith("boom ") and len(lines) == 3 + 3 + 2
+    # The table ends with the next step: the suggested rules and loss scale.
+    scale = report.suggest_loss_scale()
+    assert lines[-2] == f"Next: autocast(loss_fn, 'mixed_float16', rules={report.suggest_rules()!r})"
+    assert lines[-1].split() == ["with", "the", "loss", "scaled", "by",
+                                 f"2**{int(np.log2(scale))}", "=", f"{scale:g}",
+                                 "(NumericsReport.suggest_loss_scale)"]
+
+
+def test_a_forward_report_ends_with_the_autocast_call_to_make():
+    def fn(x, w):
+        return x @ w
+
+    x, w = jnp.ones((32, 32)), jnp.ones((32, 32))
+    plain = str(jmp_policy.inspect_numerics(fn, "mixed_float16")(x, w)).splitlines()
+    assert plain[-1] == "Next: autocast(fn, 'mixed_float16')"  # nothing to pin, no loss scale
+    fp8 = str(jmp_policy.inspect_numerics(fn, "mixed_bfloat16", fp8="tensorwise")(x, w))
+    assert fp8.splitlines()[-1] == "Next: autocast(fn, 'mixed_bfloat16', fp8='tensorwise')"
 
 
 def test_to_json_round_trips(report):

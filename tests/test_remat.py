@@ -24,7 +24,8 @@ import pytest
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 
-from jaxpr_walk import eqns
+import jmp_policy
+from jaxpr_walk import eqns, scoped_eqns
 from jmp_policy import Float8Recipe, autocast
 
 cp = jax.checkpoint_policies
@@ -188,3 +189,33 @@ def test_linen_remat_saves_the_dense_products(recipe):
     # Forward 2, backward 4 (both operands' gradients but the input's of the first
     # Dense), none recomputed.
     assert products(plain, params, x) == products(mixed, params, x) == 5
+
+
+def test_recomputed_forward_products_are_forward_for_float8_and_the_inspector():
+    # A jax.checkpoint recomputes forward products in the backward pass (JAX scopes them
+    # transpose(...)/rematted_computation/...): they take the forward float8 formats on
+    # both sides, and the inspector shows them as forward rows.
+    def layer(w, x):
+        with jax.named_scope("block"):
+            return jnp.sum(jnp.tanh(x @ w) @ w)
+
+    rematted = jax.checkpoint(layer, policy=cp.nothing_saveable)
+    w = jax.random.normal(jax.random.key(0), (32, 32))
+    x = jax.random.normal(jax.random.key(1), (16, 32))
+    e4m3, e5m2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
+    f = autocast(jax.grad(rematted), "mixed_bfloat16", fp8=Float8Recipe("tensorwise", exclude=()))
+    formats = {}
+    for scope, e in scoped_eqns(jax.make_jaxpr(f)(w, x)):
+        if e.primitive.name == "dot_general":
+            kind = ("recomputed" if "rematted_computation" in scope
+                    else "backward" if "transpose(" in scope else "forward")
+            formats.setdefault(kind, []).append(tuple(np.dtype(v.aval.dtype) for v in e.invars))
+    assert formats == {"forward": [(e4m3, e4m3)] * 2, "recomputed": [(e4m3, e4m3)],
+                       "backward": [(e5m2, e4m3)] * 3}
+
+    def phases(fn):
+        report = jmp_policy.inspect_numerics(fn, "mixed_float16", argnums=0)(w, x)
+        return [r.phase for r in report if r.primitive == "dot_general"]
+
+    assert phases(layer) == ["forward"] * 2 + ["backward"] * 3
+    assert phases(rematted) == ["forward"] * 3 + ["backward"] * 3

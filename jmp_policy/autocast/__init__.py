@@ -35,9 +35,9 @@ with their collectives.
 
 With ``fp8=`` (a scaling name or a `Float8Recipe`), the eligible
 ``dot_general`` and ``ragged_dot_general`` products, forward and backward, run
-on float8 operands with current scaling instead (see ``_fp8``), or on
-block-scaled MXFP8 and NVFP4 operands (``_blocks``, ``_block_matmul``); every
-such product, forward and backward, is ``_product.quantized_product``.
+on float8 operands with current scaling instead, or on block-scaled MXFP8 and
+NVFP4 operands; every such product, forward and backward, is
+``jmp_policy.float8.quantized_product`` (see ``_float8``).
 
 A primitive that autocast does not know, and that has floating inputs, is
 evaluated at the dtypes it was traced with, with one `AutocastWarning` per
@@ -51,18 +51,16 @@ True
 >>> f(jnp.ones((2, 2)), jnp.ones((2, 2))).dtype   # exp: float32 class, returned float32
 dtype('float32')
 
-Layout: ``_rules`` (classes and the ``rules=`` argument), ``_lattice`` (how
-dtypes order), ``_interpreter`` (evaluation and the handler registry),
-``_matmul`` (the matmul class), ``_fp8`` (float8 recipes and quantization),
-``_fp8_matmul`` (the float8 matmul rule and the current-scaled scheme),
-``_product`` (the one quantized product and its derivative), ``_delayed`` (the
-amax histories of delayed scaling, and how products get them), ``_blocks`` and
-``_block_matmul`` (block-scaled formats and their scheme); number formats and
-rounding are ``jmp_policy.formats``. ``_higher_order`` (one handler per
-higher-order primitive), ``_modules`` (NNX state and module paths),
-``_outputs`` (the dtypes of ``fn``'s outputs), ``_api`` (`autocast` itself),
-``_dot_general`` (`dot_general`: autocast's product as a ``lax.dot_general``,
-for layers that take one).
+Layout: ``rules`` (the rule registry: each primitive's class, operand casts,
+output kind; and the ``rules=`` argument), ``interpreter`` (evaluation, the
+handler registry, the matmul class), ``_higher_order`` (one handler per
+higher-order primitive), ``_float8`` (autocast's float8 rule; recipes,
+quantization and products are ``jmp_policy.float8``), ``modules`` (NNX state
+and module paths), ``_outputs`` (the dtypes of ``fn``'s outputs), ``_api``
+(`autocast` itself), ``_dot_general`` (`dot_general`: autocast's product as a
+``lax.dot_general``, for layers that take one). Dtype promotion is
+``jmp_policy.dtypes``; scope paths ``jmp_policy.paths``; jaxpr walks
+``jmp_policy.jaxprs``.
 """
 
 from jmp_policy.autocast import _higher_order  # noqa: F401  (registers the handlers)

@@ -5,12 +5,12 @@ A call goes through four steps, each a function below:
 1. `Call.of` splits the arguments (and ``fn`` itself, when it is a module or a
    module's method) into array leaves, which are traced, and everything else,
    which reaches ``fn`` as it is; Flax NNX objects are split into graph and
-   state (``_modules``).
+   state (``modules``).
 2. `Call.trace` runs ``fn``'s Python to a jaxpr of the array leaves, with
    module paths as scopes; nothing is cached, so closures and module
    attributes are read at call time, and under an outer ``jit`` this happens
    once per trace of that ``jit``, as for any JAX transformation.
-3. `_evaluate` evaluates the jaxpr under autocast (``_interpreter``).
+3. `_evaluate` evaluates the jaxpr under autocast (``interpreter``).
 4. `_finish` casts the outputs (``_outputs``), writes NNX state back and
    rebuilds ``fn``'s output tree.
 """
@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.extend.core import ClosedJaxpr
 
 from jmp_policy.policy import UnmatchedRuleWarning
 from jmp_policy.autocast import _eager
@@ -34,21 +34,19 @@ from jmp_policy.autocast.modules import Call
 from jmp_policy.float8 import Float8State, Slots, make_state
 from jmp_policy.float8 import Float8Like, Float8Recipe, as_recipe
 from jmp_policy.autocast._float8 import FLOAT8_PRODUCTS, float8_matmul
-from jmp_policy.autocast.interpreter import Context, eval_jaxpr, higher_order_names
+from jmp_policy.autocast.interpreter import (
+    Context, compute_dtype, eval_jaxpr, higher_order_names)
 from jmp_policy.dtypes import F32, DType, convert, represents
 from jmp_policy.autocast.interpreter import matmul
 from jmp_policy.autocast._outputs import PRODUCT, output_kinds
 from jmp_policy.autocast.rules import AutocastWarning, Rules, parse_rules
+from jmp_policy.jaxprs import scoped_eqns
 from jmp_policy.policy import Policy, PolicyLike, as_policy
 
 
-def autocast(
-    fn: Callable[..., Any],
-    policy: PolicyLike = None,
-    *,
-    rules: Optional[Mapping[str, Any]] = None,
-    fp8: Float8Like = None,
-) -> Callable[..., Any]:
+def autocast(fn: Callable[..., Any], policy: PolicyLike = None, *,
+             rules: Optional[Mapping[str, Any]] = None,
+             fp8: Float8Like = None) -> Callable[..., Any]:
     """Returns ``fn`` evaluated with per-operation mixed precision, as a JAX transformation.
 
     Matrix work runs in the policy's compute dtype with float32 accumulation,
@@ -73,29 +71,25 @@ def autocast(
       policy: a policy name or `Policy`; ``None`` means the global policy in
         force now (at construction, not at call time).
       rules: optional mapping changing the defaults:
-        ``{"matmul": [...], "float32": [...], "follow": [...]}`` move
-        primitives (by name, or ``jax.extend.core.Primitive`` object) into that
-        class; ``{"float32_scopes": ["attention", "block/softmax"]}`` runs every
-        primitive under a matching scope (a contiguous run of scope names, at
-        any depth) in float32, matrix work included. Scopes are
-        ``jax.named_scope`` names, Flax linen module paths and, for NNX and
-        Equinox modules, attribute paths from the root module
-        (``Decoder/blocks/0/attn``): a module argument, or the model ``fn``
-        rebuilds (``nnx.merge``, ``eqx.combine``) or closes over, named alike.
-        A scope that no operation of ``fn`` is in
-        is reported with an ``UnmatchedRuleWarning``.
+        ``{"matmul": [...], "float32": [...], "follow": [...]}`` move primitives
+        (by name, or ``jax.extend.core.Primitive`` object) into that class;
+        ``{"float32_scopes": ["attention", "block/softmax"]}`` runs every primitive
+        under a matching scope (a contiguous run of scope names, at any depth) in
+        float32, matrix work included. Scopes are ``jax.named_scope`` names, Flax
+        linen module paths and, for NNX and Equinox modules, attribute paths from
+        the root module (``Decoder/blocks/0/attn``): a module argument, or the
+        model ``fn`` rebuilds (``nnx.merge``, ``eqx.combine``) or closes over,
+        named alike. A scope that no operation of ``fn`` is in is reported with an
+        ``UnmatchedRuleWarning``.
       fp8: ``None`` (no float8), ``"tensorwise"``, ``"rowwise"``, ``"mxfp8"``,
-        ``"nvfp4"`` or a `jmp_policy.Float8Recipe`: every eligible
-        ``dot_general`` (and ``lax.ragged_dot``) of ``fn``, forward and
-        backward, runs on float8 operands with current scaling (one scale per
-        tensor, or per row) and float32 accumulation, or on block-scaled
-        operands (MXFP8: float8 values, one power-of-two scale per block of
-        32; NVFP4: 4-bit values, one float8 scale per block of 16), natively
-        where the backend multiplies them and emulated exactly elsewhere. Products
-        in a float32 scope, in a scope the recipe excludes (by default a
-        model's output layer, tied to its embedding or not) or smaller than
-        its ``min_size`` stay in the compute dtype; a function with no
-        eligible product warns.
+        ``"nvfp4"`` or a `jmp_policy.Float8Recipe`: every eligible ``dot_general``
+        (and ``lax.ragged_dot``) of ``fn``, forward and backward, runs on float8
+        operands scaled per tensor or row, or on block-scaled MXFP8 / NVFP4
+        operands, accumulated in float32 (natively where the backend multiplies
+        them, emulated exactly elsewhere). Products in a float32 scope, in a scope
+        the recipe excludes (by default a model's output layer) or smaller than its
+        ``min_size`` stay in the compute dtype; a function with no eligible
+        product warns.
 
     >>> import jax, jax.numpy as jnp, jmp_policy
     >>> def layer(w, x):
@@ -107,25 +101,30 @@ def autocast(
     """
     if not callable(fn):
         raise TypeError(f"autocast expects a callable, got {fn!r}.")
-    policy = as_policy(policy)
-    parsed = parse_rules(rules, higher_order_names())
-    recipe = as_recipe(fp8)
-    settings = _Settings(policy, parsed, recipe, _name(fn))
+    settings = _Settings(as_policy(policy), parse_rules(rules, higher_order_names()),
+                         as_recipe(fp8), _name(fn))
+    return _transformed(fn, settings)
+
+
+def _transformed(fn: Callable[..., Any], settings: _Settings) -> Callable[..., Any]:
+    """``fn`` under ``settings``: each call traced and evaluated, as the module says."""
+    delayed = settings.recipe is not None and settings.recipe.delayed
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if recipe is not None and recipe.delayed:
+        if delayed:
             return _delayed_call(fn, settings, args, kwargs)
         call = Call.of(fn, args, kwargs)
         if settings.is_identity():
-            if parsed.float32_scopes:  # nothing to pin, but a scope that matches nothing is reported
-                _warn_unmatched(settings, parsed.unmatched(_scope_paths(call.trace().jaxpr)))
+            if settings.rules.float32_scopes:  # nothing to pin; unmatched scopes are reported
+                paths = {path for path, _ in scoped_eqns(call.trace())}
+                _warn_unmatched(settings, settings.rules.unmatched(paths))
             return fn(*args, **kwargs)
         closed = call.trace()
         return _finish(call, _evaluate(closed, settings, call.values), closed, settings)
 
-    setattr(wrapped, _RECIPE, recipe)
-    if recipe is not None and recipe.delayed:
+    setattr(wrapped, _RECIPE, settings.recipe)
+    if delayed:
         _take_state_first(wrapped, fn)
     return wrapped
 
@@ -159,10 +158,8 @@ class _Settings:
 
     def dtypes(self, values: Sequence[Any]) -> tuple[DType, DType]:
         """The compute and output dtypes of a call with array leaves ``values``."""
-        compute, output = self.policy.compute_dtype, self.policy.output_dtype
-        if compute is None:  # deprecated infer policies: compute follows the first floating input
-            compute = next((np.dtype(x.dtype) for x in values if _is_float(x)), F32)
-        return np.dtype(compute), np.dtype(compute if output is None else output)
+        compute, output = compute_dtype(self.policy, values), self.policy.output_dtype
+        return compute, np.dtype(compute if output is None else output)
 
     def is_identity(self) -> bool:
         """True when autocast changes nothing: float32 (or wider) compute and output, no float8."""
@@ -175,9 +172,6 @@ class _Settings:
 def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
-
-def _is_float(x: Any) -> bool:
-    return jax.numpy.issubdtype(x.dtype, np.floating)
 
 
 def _finish(call: Call, outs: list[Any], closed: ClosedJaxpr, settings: _Settings) -> Any:
@@ -304,17 +298,3 @@ def _warn_unmatched(settings: _Settings, unmatched: list[tuple[str, list[str]]])
             f"{settings.name} (none is inside a jax.named_scope or module path containing "
             f"{scope!r}).{hint}", UnmatchedRuleWarning, stacklevel=4)
 
-
-def _scope_paths(jaxpr: Jaxpr, prefix: str = "") -> set[str]:
-    """The name-scope paths of every equation of ``jaxpr``, nested jaxprs included."""
-    paths = set()
-    for eqn in jaxpr.eqns:
-        path = "/".join(p for p in (prefix, str(eqn.source_info.name_stack)) if p)
-        paths.add(path)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, ClosedJaxpr):
-                    sub = sub.jaxpr
-                if isinstance(sub, Jaxpr):
-                    paths |= _scope_paths(sub, path)
-    return paths

@@ -5,10 +5,10 @@ Libraries that take a ``dot_general`` (Flax's ``nn.Dense(dot_general=...)``,
 qwix and AQT's injected products) get the product that autocast would run for
 that ``dot_general``, by the same rule and the same derivative: the rule is not
 copied here. Each call traces ``lax.dot_general`` on its operands to one
-equation and evaluates it with autocast's interpreter (``_interpreter``), under
-the matmul rule autocast itself uses for the policy and recipe (``_matmul``'s
-`matmul`, ``_fp8_matmul``'s `float8_matmul`), at the ``jax.named_scope`` path
-of the call, so a product autocast would keep out of float8 stays out here too.
+equation and evaluates it with autocast's interpreter (``interpreter``), under
+the matmul rule autocast itself uses for the policy and recipe
+(``interpreter.matmul``, ``_float8.float8_matmul``), at the ``jax.named_scope``
+path of the call, so a product autocast would keep out of float8 stays out here too.
 """
 
 from __future__ import annotations
@@ -100,6 +100,11 @@ def dot_general(policy: PolicyLike = None, *, fp8: Float8Like = None) -> DotGene
             "jmp_policy.dot_general(policy, fp8=...) builds a dot_general function; it "
             "does not multiply arrays itself. Call what it returns: "
             "jmp_policy.dot_general('mixed_bfloat16')(lhs, rhs, dimension_numbers).")
+    return DotGeneral(as_policy(policy), _current_recipe(fp8))
+
+
+def _current_recipe(fp8: Float8Like) -> Optional[Float8Recipe]:
+    """``fp8`` as a recipe, which must scale currently: a ``dot_general`` has no state."""
     if isinstance(fp8, str) and fp8 not in SCALINGS:
         raise ValueError(
             f"jmp_policy.dot_general fp8 must be None, {', '.join(map(repr, SCALINGS))} or "
@@ -114,7 +119,7 @@ def dot_general(policy: PolicyLike = None, *, fp8: Float8Like = None) -> DotGene
             "wrap the loss in jmp_policy.autocast(loss, policy, fp8=Float8Recipe('delayed')) "
             "with a jmp_policy.float8_state; or use a current scaling here "
             "(fp8='tensorwise').")
-    return DotGeneral(as_policy(policy), recipe)
+    return recipe
 
 
 # Eager products compiled whole, per dot_general function and scope (see ``_eager``).

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.extend.core.primitives as P
@@ -151,18 +151,47 @@ def _refusing(ctx: Context, where: str) -> Context:
 _CUSTOM = "a function with its own derivative rule (jax.custom_jvp or jax.custom_vjp)"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Custom:
+    """A call of a function with its own derivative rule, its primal autocast.
+
+    Attributes:
+      ctx: the context, refusing delayed float8 histories (see `_refusing`).
+      params: the equation's parameters.
+      consts, args: its operands: the constants of its jaxpr, then its arguments.
+      call: its primal jaxpr, autocast for the operands' dtypes.
+    """
+
+    ctx: Context
+    params: Params
+    consts: list[Any]
+    args: list[Any]
+    call: ClosedJaxpr
+
+    @classmethod
+    def of(cls, ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> _Custom:
+        p = Params(eqn)
+        n = p["num_consts"]
+        ctx = _refusing(ctx, _CUSTOM)
+        return cls(ctx, p, invals[:n], invals[n:], autocast_jaxpr(ctx, p["call_jaxpr"],
+                                                                  _dtypes(invals)))
+
+    def primal(self) -> Callable[..., Any]:
+        """The autocast primal as a function of the arguments, named as the user's."""
+        call_fn, consts = jaxpr_as_fun(self.call), self.consts
+
+        def fn(*args: Any) -> Any:
+            return call_fn(*consts, *args)
+
+        fn.__name__ = _func_name(self.params["call_jaxpr"])
+        return fn
+
+
 @register(P.custom_jvp_call_p)
 def _custom_jvp(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
-    ctx = _refusing(ctx, _CUSTOM)
-    p = Params(eqn)
-    n_consts = p["num_consts"]
-    consts, args = invals[:n_consts], invals[n_consts:]
-    call = autocast_jaxpr(ctx, p["call_jaxpr"], _dtypes(invals))
-    call_fn, out_avals = jaxpr_as_fun(call), call.out_avals
-    jvp_jaxpr_fun, n_args = p["jvp_jaxpr_fun"], len(args)
-
-    def fn(*args: Any) -> Any:
-        return call_fn(*consts, *args)
+    c = _Custom.of(ctx, eqn, invals)
+    ctx, out_avals = c.ctx, c.call.out_avals
+    jvp_jaxpr_fun, n_args = c.params["jvp_jaxpr_fun"], len(c.args)
 
     def fn_jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         # The user's rule, traced by JAX at the original input types, autocast like the
@@ -176,27 +205,19 @@ def _custom_jvp(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
                         for zero, a in zip(out_zeros, out_avals)]
         return primals_out, tangents_out
 
-    fn.__name__ = _func_name(p["call_jaxpr"])
-    custom = jax.custom_jvp(fn)
+    custom = jax.custom_jvp(c.primal())
     custom.defjvp(fn_jvp)
-    return custom(*args)
+    return custom(*c.args)
 
 
 @register(P.custom_vjp_call_p)
 def _custom_vjp(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
-    ctx = _refusing(ctx, _CUSTOM)
-    p = Params(eqn)
-    n_consts = p["num_consts"]
-    consts, args = invals[:n_consts], invals[n_consts:]
+    c = _Custom.of(ctx, eqn, invals)
+    ctx, p, consts, out_avals = c.ctx, c.params, c.consts, c.call.out_avals
     orig_call: ClosedJaxpr = p["call_jaxpr"]
-    call = autocast_jaxpr(ctx, orig_call, _dtypes(invals))
-    call_fn, out_avals = jaxpr_as_fun(call), call.out_avals
     fwd_jaxpr_thunk, bwd, out_trees = p["fwd_jaxpr_thunk"], p["bwd"], p["out_trees"]
     in_avals = [v.aval for v in eqn.invars]
-    arg_types = [(jnp.shape(x), dtype_of(x)) for x in args]
-
-    def fn(*args: Any) -> Any:
-        return call_fn(*consts, *args)
+    arg_types = [(jnp.shape(x), dtype_of(x)) for x in c.args]
 
     def fn_fwd(*args: Any) -> tuple[list[Any], list[Any]]:
         fwd_jaxpr, fwd_consts = fwd_jaxpr_thunk.call_wrapped(*[True] * len(args))
@@ -224,10 +245,9 @@ def _custom_vjp(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
                 "Please report this with your JAX version.")
         return tuple(_cotangent(ct, shape, dtype) for ct, (shape, dtype) in zip(in_cts, arg_types))
 
-    fn.__name__ = _func_name(orig_call)
-    custom = jax.custom_vjp(fn)
+    custom = jax.custom_vjp(c.primal())
     custom.defvjp(fn_fwd, fn_bwd)
-    return custom(*args)
+    return custom(*c.args)
 
 
 def _cotangent(ct: Any, shape: tuple[int, ...], dtype: Any) -> Any:

@@ -38,17 +38,22 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
+from jax.extend.core import Jaxpr, JaxprEqn, Literal
 
 from jmp_policy.dtypes import is_floating_dtype
-from jmp_policy.autocast.rules import Rules
+from jmp_policy.autocast.rules import Rules, rule_of
+from jmp_policy.jaxprs import sub_jaxprs
+from jmp_policy.paths import join_scope
+
+__all__ = ["ARGUMENT", "KEPT", "LITERAL", "PRODUCT", "output_kinds"]
 
 LITERAL, ARGUMENT, PRODUCT, KEPT = 0, 1, 2, 3
 
-_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-          "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr",
-          "shard_map": "jaxpr"}
+# Higher-order primitives that call their first jaxpr on their operands and return its
+# outputs (a custom derivative's other jaxprs are not what the call computes).
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
+                    "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint",
+                    "shard_map"})
 
 
 def output_kinds(jaxpr: Jaxpr, rules: Rules, scope: str = "") -> list[int]:
@@ -63,7 +68,7 @@ def _kinds(jaxpr: Jaxpr, in_kinds: Sequence[int], rules: Rules, scope: str) -> l
         return LITERAL if isinstance(v, Literal) else env.get(v, ARGUMENT)
 
     for eqn in jaxpr.eqns:
-        path = "/".join(p for p in (scope, str(eqn.source_info.name_stack)) if p)
+        path = join_scope(scope, str(eqn.source_info.name_stack))
         outs = _equation(eqn, [kind(v) for v in eqn.invars], rules, path)
         env.update(zip(eqn.outvars, outs))
     return [kind(v) for v in jaxpr.outvars]
@@ -71,30 +76,39 @@ def _kinds(jaxpr: Jaxpr, in_kinds: Sequence[int], rules: Rules, scope: str) -> l
 
 def _equation(eqn: JaxprEqn, ins: list[int], rules: Rules, path: str) -> list[int]:
     name, n_out = eqn.primitive.name, len(eqn.outvars)
-    if name in _CALLS and _CALLS[name] in eqn.params:
-        return _kinds(*_open(eqn.params[_CALLS[name]]), ins, rules, path)
+    if name in _CALLS and sub_jaxprs(eqn):
+        return _kinds(sub_jaxprs(eqn)[0], ins, rules, path)
     if name == "scan":
-        return _loop(eqn.params["jaxpr"], ins, n_out, rules, path, _scan_carry(eqn, len(ins)))
+        (body,) = sub_jaxprs(eqn, "jaxpr")
+        return _loop(body, ins, n_out, rules, path, _scan_carry(eqn, len(ins)))
     if name == "while":
+        (body,) = sub_jaxprs(eqn, "body_jaxpr")
         cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-        return _loop(eqn.params["body_jaxpr"], ins[cn:], n_out, rules, path, slice(bn, None))
+        return _loop(body, ins[cn:], n_out, rules, path, slice(bn, None))
     if name == "cond":
-        branches = [_kinds(*_open(b), ins[1:], rules, path) for b in eqn.params["branches"]]
+        branches = [_kinds(b, ins[1:], rules, path) for b in sub_jaxprs(eqn, "branches")]
         return [_choice(ks) for ks in zip(*branches)]
     if not any(is_floating_dtype(v.aval.dtype) for v in eqn.outvars if hasattr(v.aval, "dtype")):
         return [ARGUMENT] * n_out
-    if name == "select_n" and not rules.scopes_in(path):
-        return [_choice(ins[1:])] * n_out
+    return [_first_order(eqn, ins, rules, path)] * n_out
+
+
+def _first_order(eqn: JaxprEqn, ins: list[int], rules: Rules, path: str) -> int:
+    """The kind of a first-order equation's floating results, as its rule's `Output` says."""
+    rule = rule_of(eqn.primitive.name)
+    output = "class" if rule is None else rule.output
+    if output == "choice" and not rules.scopes_in(path):
+        return _choice(ins[1:])
     if rules.scopes_in(path):
-        return [KEPT] * n_out
-    if name == "convert_element_type":  # a cast fn wrote, unless of a literal (jnp.where's fill)
-        return [LITERAL if ins == [LITERAL] else KEPT] * n_out
-    cls = rules.classes.get(name)
+        return KEPT
+    if output == "cast":  # a cast fn wrote, unless of a literal (jnp.where's fill)
+        return LITERAL if ins == [LITERAL] else KEPT
+    cls = rules.classes.get(eqn.primitive.name)
     if cls == "matmul":
-        return [PRODUCT] * n_out
+        return PRODUCT
     if cls == "float32":
-        return [KEPT] * n_out
-    return [max(ins, default=ARGUMENT)] * n_out
+        return KEPT
+    return max(ins, default=ARGUMENT)
 
 
 def _choice(alternatives: Sequence[int]) -> int:
@@ -108,10 +122,6 @@ def _choice(alternatives: Sequence[int]) -> int:
     return max(passed) if passed else max(alternatives, default=ARGUMENT)
 
 
-def _open(jaxpr: Any) -> tuple[Jaxpr]:
-    return (jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr,)
-
-
 def _scan_carry(eqn: JaxprEqn, n_in: int) -> slice:
     params = eqn.params
     if "num_consts" in params:  # jax 0.10
@@ -122,12 +132,12 @@ def _scan_carry(eqn: JaxprEqn, n_in: int) -> slice:
     return slice(nc, nc + nk)
 
 
-def _loop(body: Any, ins: list[int], n_out: int, rules: Rules, path: str,
+def _loop(body: Jaxpr, ins: list[int], n_out: int, rules: Rules, path: str,
           carry: slice) -> list[int]:
     """A loop body's output kinds, its carries joined over iterations (kinds only grow)."""
     ins = list(ins)
     for _ in range(4):  # four kinds: stable after at most three joins
-        outs = _kinds(*_open(body), ins, rules, path)
+        outs = _kinds(body, ins, rules, path)
         joined = [max(a, b) for a, b in zip(ins[carry], outs)]
         if joined == ins[carry]:
             break

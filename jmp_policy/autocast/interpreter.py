@@ -7,7 +7,7 @@ which picks the precision:
   the handler registered for it with `register` (see ``_higher_order``);
 * a primitive without floating inputs, or whose parameters fix its dtypes,
   runs as traced;
-* otherwise its class decides (see ``_rules``): matrix work goes to
+* otherwise its rule and class decide (see ``rules``): matrix work goes to
   ``Context.matmul``, float32 primitives get inputs widened to at least
   float32, the others take the widest dtype of their inputs.
 
@@ -45,12 +45,13 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Va
 from jmp_policy.dtypes import is_floating_dtype
 from jmp_policy.dtypes import (
     F32, DType, convert, dtype_of, is_floating, join, represents, retyped, widest)
-from jmp_policy.autocast.rules import (
-    FLOAT32_PRIMITIVES, INDEPENDENT, TRACED_DTYPES, AutocastWarning, Rules)
+from jmp_policy.autocast.rules import FLOAT32_PRIMITIVES, AutocastWarning, Rules, rule_of
 from jmp_policy.jaxprs import bind
+from jmp_policy.paths import join_scope
+from jmp_policy.policy import Policy
 
 __all__ = ["Context", "Handler", "MatmulRule", "Observer", "Params", "autocast_jaxpr",
-           "eval_equation", "eval_jaxpr", "higher_order_names", "jax_roundings", "matmul",
+           "compute_dtype", "eval_equation", "eval_jaxpr", "higher_order_names", "jax_roundings", "matmul",
            "register"]
 
 Handler = Callable[["Context", JaxprEqn, list[Any]], Any]
@@ -138,7 +139,7 @@ class Context:
     Attributes:
       compute: the dtype of matrix work.
       rules: the primitive classes and float32 scopes.
-      matmul: the rule for equations of the matmul class (see ``_matmul``).
+      matmul: the rule for equations of the matmul class (see `matmul`).
       observe: called after every equation, nested ones included.
       scope: the ``jax.named_scope`` path of the current equation
         (``"block/attention"``), once narrowed with `at`.
@@ -172,7 +173,7 @@ class Context:
 
     def at(self, eqn: JaxprEqn) -> Context:
         """The context of ``eqn``, an equation of the jaxpr this context evaluates."""
-        scope = _join_path(self.scope, str(eqn.source_info.name_stack))
+        scope = join_scope(self.scope, str(eqn.source_info.name_stack))
         matched = self.rules.scopes_in(scope)
         if self.rules.float32_scopes:
             self._state.paths.add(scope)
@@ -193,10 +194,6 @@ class Context:
     def unmatched_scopes(self) -> list[tuple[str, list[str]]]:
         """The float32 scopes no equation was in so far, each with near misses."""
         return self.rules.unmatched(self._state.paths)
-
-
-def _join_path(prefix: str, path: str) -> str:
-    return f"{prefix}/{path}" if prefix and path else prefix or path
 
 
 # --- Evaluation ------------------------------------------------------------------------
@@ -245,20 +242,23 @@ def eval_equation(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
 
 
 def _first_order(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
-    name = eqn.primitive.name
+    """A first-order equation at the precision its rule (``rules.PRIMITIVES``) and class
+    give it."""
     if ctx.as_traced or not any(is_floating(x) for x in invals):
         return bind(eqn, invals)
-    if name == "convert_element_type":
+    rule = rule_of(eqn.primitive.name)
+    operands = "promoted" if rule is None else rule.operands
+    if operands == "cast":
         return _convert(ctx, eqn, invals[0])
-    if eqn.params.get("out_dtype") is not None or name in TRACED_DTYPES:
+    if eqn.params.get("out_dtype") is not None or operands == "traced":
         return bind(eqn, _at_traced_dtypes(ctx, eqn, invals))
     cls = "float32" if ctx.pinned else ctx.rules.class_of(eqn.primitive)
     if cls is None:
-        _warn_unknown(ctx, name)
+        _warn_unknown(ctx, eqn.primitive.name)
         return bind(eqn, _at_traced_dtypes(ctx, eqn, invals))
     if cls == "matmul":
         return ctx.matmul(ctx, eqn, invals)
-    if name in INDEPENDENT:  # each operand keeps its dtype (widened for float32)
+    if operands == "independent":  # each operand keeps its dtype (widened for float32)
         return bind(eqn, [ctx.cast(x, join(dtype_of(x), F32)) if cls == "float32" else x
                           for x in invals])
     params = dict(eqn.params)
@@ -503,6 +503,22 @@ _REWRITES = _RewriteCache()
 
 
 # --- The matmul class -------------------------------------------------------------------
+
+def compute_dtype(policy: Policy, values: Sequence[Any]) -> DType:
+    """The dtype of matrix work for a call of ``policy`` on the array leaves ``values``:
+    the policy's, or for the deprecated infer policies (no compute dtype) the dtype of the
+    first floating value, float32 without one.
+
+    >>> import jax.numpy as jnp, jmp_policy
+    >>> compute_dtype(jmp_policy.get_policy("mixed_bfloat16"), [])
+    dtype(bfloat16)
+    """
+    compute = policy.compute_dtype
+    if compute is None:
+        compute = next((np.dtype(x.dtype) for x in values if is_floating(x)), F32)
+    dtype: DType = np.dtype(compute)
+    return dtype
+
 
 def matmul(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
     """Floating operands and result in ``ctx.compute``, accumulated in float32.

@@ -1,6 +1,10 @@
-"""Which precision each primitive runs in: the default classes and the ``rules=`` argument.
+"""Which precision each primitive runs in: the rule registry and the ``rules=`` argument.
 
-Every primitive with floating inputs belongs to one of three classes:
+Every primitive autocast knows has one `PrimitiveRule` in `PRIMITIVES`, which
+says all autocast (and the numerics inspector) does with it: its class, how
+its operands are cast, what kind of output of ``fn`` it makes, whether its
+results are values of its inputs. Every primitive with floating inputs
+belongs to one of three classes:
 
 ``"matmul"``
     Matrix work (`MATMUL_PRIMITIVES`): operands and result in the policy's
@@ -11,6 +15,16 @@ Every primitive with floating inputs belongs to one of three classes:
 ``"follow"``
     Everything else autocast knows (`FOLLOW_PRIMITIVES`): the widest floating
     input wins, as in JAX's own promotion.
+
+A few primitives have no class: their parameters fix their dtypes, so they run
+at the dtypes they were traced with. Higher-order primitives (``jit``,
+``scan``...) are not classified but rewritten, each by its handler
+(``interpreter.register``).
+
+>>> PRIMITIVES["exp"]
+PrimitiveRule(cls='float32', operands='promoted', output='class', preserves_values=False, range_only=False)
+>>> PRIMITIVES["sort"].operands, PRIMITIVES["sort"].preserves_values
+('independent', True)
 
 ``rules`` moves primitives between classes and pins ``jax.named_scope`` scopes
 to float32:
@@ -36,98 +50,183 @@ from jmp_policy.dtypes import has_float32_range
 from jmp_policy.paths import scope_names
 
 __all__ = ["AutocastWarning", "Class", "FLOAT32_PRIMITIVES", "FOLLOW_PRIMITIVES",
-           "INDEPENDENT", "MATMUL_PRIMITIVES", "RANGE_PRIMITIVES", "Rules", "TRACED_DTYPES",
-           "parse_rules"]
+           "MATMUL_PRIMITIVES", "Operands", "Output", "PRIMITIVES", "PrimitiveRule",
+           "RANGE_PRIMITIVES", "Rules", "parse_rules", "rule_of"]
 
 Class = Literal["matmul", "float32", "follow"]
+
+Operands = Literal["promoted", "independent", "traced", "cast"]
+"""How a primitive's floating operands are cast.
+
+``"promoted"``: to one dtype, which its class picks (the compute dtype for
+matmul, the widest operand's widened to float32 for float32, the widest
+operand's for follow). ``"independent"``: each operand is a value of its own
+(a collective's, a variadic sort's) and keeps its dtype, widened to float32 in
+the float32 class. ``"traced"``: the dtypes it was traced with, which its
+parameters fix (an embedded reduction jaxpr, a callback's result types, a bit
+layout). ``"cast"``: a cast written in ``fn``, made as written
+(``interpreter._convert``)."""
+
+Output = Literal["class", "choice", "cast"]
+"""What kind of output of ``fn`` a primitive's result is (``_outputs``).
+
+``"class"``: by its class, a product for matmul, a value kept as computed
+for float32, the strongest kind of its inputs for follow. ``"choice"``: each
+element is one of its inputs (``select_n``). ``"cast"``: a value ``fn`` cast,
+kept as cast."""
 
 
 class AutocastWarning(UserWarning):
     """Autocast met a primitive it has no rule for (reported once per trace, naming it), or
-    was given ``fp8=`` for a function none of whose products can run in float8."""
+    was given ``fp8=`` for a function none of whose products can run in float8.
+
+    >>> import warnings, jax.numpy as jnp, jmp_policy
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("error", AutocastWarning)
+    ...     jmp_policy.autocast(jnp.sin, "mixed_bfloat16")(jnp.ones(2)).dtype
+    dtype('float32')
+    """
 
 
-MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+@dataclasses.dataclass(frozen=True)
+class PrimitiveRule:
+    """Everything autocast does with one primitive, by default (``rules=`` moves its class).
 
-FLOAT32_PRIMITIVES = frozenset({
+    Attributes:
+      cls: its class; ``None`` for a primitive that runs at its traced dtypes
+        (``operands`` ``"traced"`` or ``"cast"``), which no rule can move.
+      operands: how its floating operands are cast (see `Operands`).
+      output: what kind of output of ``fn`` its result is (see `Output`).
+      preserves_values: its results are values of its inputs, moved or selected:
+        it can neither overflow nor round (the inspector gives it no row).
+      range_only: a float32-class primitive that is there for float32's range
+        alone (see `RANGE_PRIMITIVES`).
+    """
+
+    cls: Optional[Class]
+    operands: Operands = "promoted"
+    output: Output = "class"
+    preserves_values: bool = False
+    range_only: bool = False
+
+
+_MATMUL = PrimitiveRule("matmul")
+_FLOAT32 = PrimitiveRule("float32")
+_FOLLOW = PrimitiveRule("follow")
+_MOVES = PrimitiveRule("follow", preserves_values=True)
+_INDEPENDENT = PrimitiveRule("follow", operands="independent")
+_MOVES_INDEPENDENT = PrimitiveRule("follow", operands="independent", preserves_values=True)
+_TRACED = PrimitiveRule(None, operands="traced")
+
+
+def _registry(*groups: tuple[PrimitiveRule, str]) -> dict[str, PrimitiveRule]:
+    """The registry of ``groups`` (a rule and the names it is for); a name once only."""
+    registry: dict[str, PrimitiveRule] = {}
+    for rule, names in groups:
+        for name in names.split():
+            if name in registry:
+                raise ValueError(f"autocast's registry lists {name!r} twice.")
+            registry[name] = rule
+    return registry
+
+
+PRIMITIVES: Mapping[str, PrimitiveRule] = _registry(
+    # --- matmul ---
+    (_MATMUL, "dot_general conv_general_dilated ragged_dot_general"),
+    # --- float32 ---
     # Transcendentals whose half-precision results lose most of their digits or overflow.
-    "exp", "exp2", "log", "log1p", "expm1", "pow", "logistic", "erf", "erfc", "erf_inv",
-    "rsqrt", "sqrt", "cbrt", "tan", "sinh", "cosh", "asin", "acos", "asinh", "acosh", "atanh",
-    "lgamma", "digamma", "polygamma", "igamma", "igammac", "igamma_grad_a", "zeta",
-    "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta", "random_gamma",
-    # Squares overflow float16 above 256: norms and variances start here (float16 only:
-    # `RANGE_PRIMITIVES`).
-    "square", "integer_pow",
+    (_FLOAT32, "exp exp2 log log1p expm1 pow logistic erf erfc erf_inv rsqrt sqrt cbrt tan "
+               "sinh cosh asin acos asinh acosh atanh lgamma digamma polygamma igamma "
+               "igammac igamma_grad_a zeta bessel_i0e bessel_i1e "
+               "regularized_incomplete_beta random_gamma"),
+    # Squares overflow float16 above 256: norms and variances start here (float16 only).
+    (PrimitiveRule("float32", range_only=True), "square integer_pow"),
     # Division overflows for small divisors; mean, softmax and normalisation end here.
-    "div",
+    (_FLOAT32, "div"),
     # Accumulations.
-    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum",
+    (_FLOAT32, "reduce_sum reduce_prod cumsum cumprod cumlogsumexp reduce_window_sum"),
     # The first primitive of softmax / log_softmax / logsumexp: widening here makes the
     # whole `x - max(x)`, `exp`, `sum`, `log` chain float32 (max itself is exact).
-    "reduce_max",
+    (PrimitiveRule("float32", preserves_values=True), "reduce_max"),
     # Linear algebra and FFTs (often unsupported in half precision, and ill-conditioned).
-    "cholesky", "cholesky_update", "eig", "eigh", "lu", "qr", "svd", "schur", "hessenberg",
-    "triangular_solve", "tridiagonal", "tridiagonal_solve", "geqrf", "geqp3",
-    "householder_product", "ormqr", "symmetric_product", "fft",
-})
+    (_FLOAT32, "cholesky cholesky_update eig eigh lu qr svd schur hessenberg "
+               "triangular_solve tridiagonal tridiagonal_solve geqrf geqp3 "
+               "householder_product ormqr symmetric_product fft"),
+    # --- follow ---
+    # Elementwise. one_minus_square is tanh's derivative (JAX 0.11+); eq_to, le_to and
+    # lt_to are total-order comparisons (searchsorted, histograms); name is
+    # jax.ad_checkpoint.checkpoint_name, an identity that names a value.
+    (_FOLLOW, "add add_any sub mul sign floor ceil round nextafter rem clamp tanh sin cos "
+              "atan atan2 one_minus_square eq_to le_to lt_to name is_finite eq ne lt le gt "
+              "ge and or not xor shift_left shift_right_arithmetic shift_right_logical "
+              "population_count clz complex reduce_precision"),
+    (_MOVES, "abs neg max min real imag conj stop_gradient copy copy_p"),
+    # A choice between values: each element is one of the alternatives, unchanged.
+    (PrimitiveRule("follow", output="choice", preserves_values=True), "select_n"),
+    # Structural.
+    (_MOVES, "broadcast_in_dim reshape transpose squeeze slice dynamic_slice "
+             "dynamic_update_slice gather concatenate pad rev split"),
+    (_FOLLOW, "stack unstack tile iota select_and_scatter_add"),
+    (_INDEPENDENT, "select_and_gather_add"),
+    # Order statistics (exact in any precision).
+    (_MOVES, "reduce_min cummax cummin"),
+    (_MOVES_INDEPENDENT, "sort"),
+    (_FOLLOW, "reduce_and reduce_or reduce_xor argmax argmin top_k approx_top_k "
+              "reduce_window_max reduce_window_min"),
+    # Sharding, placement and collectives: a collective's operands are values of their own.
+    (_MOVES, "sharding_constraint"),
+    (_MOVES_INDEPENDENT, "device_put optimization_barrier"),
+    (_FOLLOW, "reshard layout_constraint axis_index pbroadcast"),
+    (_INDEPENDENT, "pvary psum pmax pmin all_gather all_to_all ppermute reduce_scatter "
+                   "psum_invariant all_gather_invariant"),
+    # PRNG (no floating inputs).
+    (_FOLLOW, "random_bits random_seed random_wrap random_unwrap random_fold_in "
+              "random_split random_clone threefry2x32 iota_2x32_shape rng_bit_generator"),
+    # --- no class: dtypes fixed by the parameters ---
+    (_TRACED, "bitcast_convert_type reduce reduce_window select_and_scatter scatter "
+              "scatter-add scatter-sub scatter-mul scatter-min scatter-max pure_callback "
+              "io_callback debug_callback debug_print ffi_call rng_uniform"),
+    # jmp_policy.formats' rounding to a format: float32 in and out, the format a parameter.
+    (_TRACED, "round_to_format"),
+    # Library-level primitives (jnp.searchsorted in JAX 0.12): run as JAX wrote them.
+    (_TRACED, "call_hi_primitive"),
+    # A cast written in fn: made as written.
+    (PrimitiveRule(None, operands="cast", output="cast"), "convert_element_type"),
+)
+"""Autocast's rule for each primitive it knows, by name."""
 
-RANGE_PRIMITIVES = frozenset({"square", "integer_pow"})
+
+def rule_of(name: str) -> Optional[PrimitiveRule]:
+    """The registry's rule for the primitive named ``name``; ``None`` if autocast does not
+    know it.
+
+    >>> rule_of("dot_general").cls, rule_of("my_kernel") is None
+    ('matmul', True)
+    """
+    return PRIMITIVES.get(name)
+
+
+def _classed(cls: Class) -> frozenset[str]:
+    return frozenset(n for n, r in PRIMITIVES.items() if r.cls == cls)
+
+
+MATMUL_PRIMITIVES = _classed("matmul")
+"""The primitives of the matmul class, by default."""
+
+FLOAT32_PRIMITIVES = _classed("float32")
+"""The primitives of the float32 class, by default."""
+
+FOLLOW_PRIMITIVES = _classed("follow")
+"""The primitives of the follow class, by default."""
+
+RANGE_PRIMITIVES = frozenset(n for n, r in PRIMITIVES.items() if r.range_only)
 """The float32-class primitives that are there for float32's range alone: under a compute
 dtype with float32's exponent range (bfloat16) they follow their inputs instead, as in
 plain bfloat16 JAX (``jax.nn.gelu``'s ``x ** 3`` keeps a bfloat16 activation bfloat16)."""
 
-FOLLOW_PRIMITIVES = frozenset({
-    # Elementwise.
-    "abs", "add", "add_any", "sub", "mul", "neg", "max", "min", "sign", "floor", "ceil",
-    "round", "nextafter", "rem", "clamp", "select_n", "tanh", "sin", "cos", "atan", "atan2",
-    "one_minus_square",  # 1 - x**2, tanh's derivative (JAX 0.11+)
-    "eq_to", "le_to", "lt_to",  # total-order comparisons (searchsorted, histograms)
-    "name",  # jax.ad_checkpoint.checkpoint_name: an identity that names a value
-    "is_finite", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
-    "shift_left", "shift_right_arithmetic", "shift_right_logical", "population_count", "clz",
-    "real", "imag", "conj", "complex", "reduce_precision", "stop_gradient", "copy", "copy_p",
-    # Structural.
-    "broadcast_in_dim", "reshape", "transpose", "squeeze", "slice", "dynamic_slice",
-    "dynamic_update_slice", "gather", "concatenate", "stack", "unstack", "pad", "rev", "tile",
-    "split",
-    "iota", "select_and_gather_add", "select_and_scatter_add",
-    # Order statistics (exact in any precision).
-    "reduce_min", "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin",
-    "cummax", "cummin", "sort", "top_k", "approx_top_k", "reduce_window_max", "reduce_window_min",
-    # Sharding, placement and collectives.
-    "device_put", "optimization_barrier", "sharding_constraint", "reshard",
-    "layout_constraint", "pvary", "psum", "pmax", "pmin", "all_gather", "all_to_all",
-    "ppermute", "axis_index", "reduce_scatter", "psum_invariant", "all_gather_invariant",
-    "pbroadcast",
-    # PRNG (no floating inputs).
-    "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in",
-    "random_split", "random_clone", "threefry2x32", "iota_2x32_shape", "rng_bit_generator",
-})
-
-# Variadic primitives whose operands are independent values: each keeps its own dtype.
-INDEPENDENT = frozenset({
-    "sort", "device_put", "optimization_barrier", "psum", "pmax", "pmin", "all_gather",
-    "all_to_all", "ppermute", "reduce_scatter", "select_and_gather_add", "psum_invariant",
-    "all_gather_invariant", "pvary",
-})
-
-# Primitives whose parameters fix their dtypes (an embedded reduction jaxpr, a callback's
-# result types, a bit layout): they run at the dtypes they were traced with, silently.
-TRACED_DTYPES = frozenset({
-    "bitcast_convert_type", "reduce", "reduce_window", "select_and_scatter",
-    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
-    "pure_callback", "io_callback", "debug_callback", "debug_print", "ffi_call",
-    "rng_uniform", "convert_element_type",
-    # jmp_policy.formats' rounding to a format: float32 in and out, the format a parameter.
-    "round_to_format",
-    # JAX 0.12's library-level primitives (jnp.searchsorted): run as JAX wrote them.
-    "call_hi_primitive",
-})
-
 _DEFAULTS: Mapping[Class, frozenset[str]] = {
     "matmul": MATMUL_PRIMITIVES, "float32": FLOAT32_PRIMITIVES, "follow": FOLLOW_PRIMITIVES,
 }
-_KNOWN = MATMUL_PRIMITIVES | FLOAT32_PRIMITIVES | FOLLOW_PRIMITIVES | TRACED_DTYPES
 _KEYS = (*_DEFAULTS, "float32_scopes")
 
 
@@ -250,12 +349,13 @@ def _primitive_name(prim: Any, higher_order: Collection[str]) -> str:
         raise ValueError(
             f"{name!r} is a higher-order primitive: autocast applies its rules inside it, so it "
             "cannot be moved to a class; move the primitives it contains instead.")
-    if name in TRACED_DTYPES:
+    rule = rule_of(name)
+    if rule is not None and rule.cls is None:
         raise ValueError(
             f"{name!r} always runs at the dtypes it was traced with (its parameters fix its "
             "types), so it cannot be moved to another class.")
-    if isinstance(prim, str) and name not in _KNOWN:
-        close = difflib.get_close_matches(name, sorted(_KNOWN), n=3)
+    if isinstance(prim, str) and rule is None:
+        close = difflib.get_close_matches(name, sorted(PRIMITIVES), n=3)
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
         raise ValueError(
             f"Unknown primitive name {name!r} in autocast rules.{hint} Pass primitives "

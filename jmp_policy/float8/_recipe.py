@@ -29,6 +29,7 @@ from jax.extend.core import JaxprEqn
 
 from jmp_policy.dtypes import is_floating_dtype
 from jmp_policy.float8 import _blocks
+from jmp_policy.paths import is_backward as is_backward  # jmp_policy.float8 exports it
 from jmp_policy.paths import scope_names
 
 Scaling = Literal["tensorwise", "rowwise", "delayed", "mxfp8", "nvfp4"]
@@ -405,18 +406,15 @@ def is_plain_ragged(eqn: JaxprEqn) -> bool:
         and tuple(dims.rhs_group_dimensions) == (0,) and eqn.params["group_offset"] is None
 
 
-def is_backward(scope: str) -> bool:
-    """True for a path that JAX's transposition wrote (``transpose(jvp(block))/mlp``)."""
-    return "transpose(" in scope
-
-
 def operand_dtypes(recipe: Float8Recipe, scope: str) -> tuple[np.dtype[Any], np.dtype[Any]]:
     """The float8 formats of a product's (lhs, rhs) found under ``scope``.
 
     Forward products take ``fwd_dtype`` on both sides. A backward product that
     JAX wrote by transposing a forward one (when the function autocast
     evaluates computes its own gradients) has the incoming gradient as its
-    left operand, so that side takes ``bwd_dtype``. (The backward products
+    left operand, so that side takes ``bwd_dtype``; the forward products a
+    ``jax.checkpoint`` recomputes there are forward products (see
+    `jmp_policy.paths.is_backward`). (The backward products
     that autocast itself differentiates are formatted by its float8 rule.)
     """
     if is_backward(scope):

@@ -43,13 +43,13 @@ import contextlib
 import dataclasses
 import functools
 import warnings
-from typing import Any, Callable, Iterator, Literal, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
+from jax.extend.core import Jaxpr, JaxprEqn, Var
 
 from jmp_policy import formats
 from jmp_policy.dtypes import is_floating_dtype
@@ -60,8 +60,9 @@ from jmp_policy.jaxprs import bind
 from jmp_policy.float8 import BLOCK_SCALES, TENSOR_SCALES
 from jmp_policy.dtypes import F32, DType, convert, dtype_of, is_floating, join, represents
 from jmp_policy.autocast.interpreter import matmul
-from jmp_policy.autocast.rules import MATMUL_PRIMITIVES, TRACED_DTYPES, AutocastWarning, parse_rules
-from jmp_policy.paths import scope_names
+from jmp_policy.autocast.rules import MATMUL_PRIMITIVES, AutocastWarning, parse_rules, rule_of
+from jmp_policy.jaxprs import sub_jaxprs
+from jmp_policy.paths import is_backward, scope_names
 
 Stats = dict[str, Any]
 """One row's statistics: named scalars."""
@@ -80,52 +81,6 @@ _REDUCTION: dict[str, str] = {
     "nonzero": "sum", "underflow": "sum", "f32_min": "min", "f32_max": "max",
     **{f"{name}@{k}": "sum" for name in ("err_sq", "ref_sq") for k in SQUARE_SCALES},
 }
-# Primitives whose results are values of their inputs, moved or selected: they can
-# neither overflow nor round, and add no new values to the gradient histogram.
-VALUE_PRESERVING = frozenset({
-    "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
-    "dynamic_slice", "dynamic_update_slice", "gather", "concatenate", "pad", "rev", "copy",
-    "copy_p", "select_n", "split", "neg", "abs", "max", "min", "reduce_max", "reduce_min",
-    "cummax", "cummin", "sort", "stop_gradient", "optimization_barrier",
-    "sharding_constraint", "device_put", "real", "imag", "conj",
-})
-
-# JAX names the recomputation of a `checkpoint` in the backward pass with this scope:
-# forward values computed again, not gradients.
-_REMAT_SCOPE = "rematted_computation"
-
-
-@functools.lru_cache(maxsize=4096)
-def display_scope(path: str) -> str:
-    """A name-stack path as users wrote it: ``/``-joined scope names, JAX's wrappers removed.
-
-    A transformation repeats the name of the scope it traced
-    (``transpose(jvp(block))/jvp(block)``): a name repeated next to a wrapped
-    one is shown once. JAX's own recomputation scope is dropped.
-
-    >>> display_scope("transpose(jvp(model))/jvp(model)/rematted_computation/mlp")
-    'model/mlp'
-    """
-    names: list[str] = []
-    wrapped_before = False
-    for part in path.split("/"):
-        name = "/".join(scope_names(part))
-        wrapped = name != part
-        if name and name != _REMAT_SCOPE and not (
-                names and names[-1] == name and (wrapped or wrapped_before)):
-            names.append(name)
-        wrapped_before = wrapped
-    return "/".join(names)
-
-
-@functools.lru_cache(maxsize=4096)
-def phase_of(path: str) -> Literal["forward", "backward"]:
-    """``"backward"`` for equations JAX's transposition wrote, recomputations aside."""
-    backward = "transpose(" in path and _REMAT_SCOPE not in path.split("/")
-    return "backward" if backward else "forward"
-
-
-
 # --- Rows ----------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -459,7 +414,7 @@ class Observer:
         invals = self._unrounded(eqn, invals, outs)
         scales = eqn.primitive.name == "mul" and _SCALE_SCOPES.intersection(
             scope_names(ctx.scope)[-1:])
-        if _sub_jaxprs(eqn) and eqn.primitive.name not in _TRACED:  # a scatter's combiner
+        if sub_jaxprs(eqn) and not _traced(eqn):  # a scatter's combiner
             self._warn_unvisited(eqn.primitive.name)                  # is not a body
             return
         floats = [i for i, v in enumerate(eqn.outvars) if _floating_aval(v)]
@@ -498,7 +453,7 @@ class Observer:
                 return [n for rows in sources for n in rows]
             return None
         cast = self._fp8_casts.get(id(invals[0])) if invals else None
-        if cast is not None and cast[0] is invals[0] and name in VALUE_PRESERVING:
+        if cast is not None and cast[0] is invals[0] and _moves_values(eqn):
             self._fp8_casts[id(outs[0])] = (outs[0], cast[1])  # a float8 value, laid out
         if name == "convert_element_type" and _floating_aval(eqn.invars[0]) \
                 and _is_float8(_dtype(eqn.invars[0])):
@@ -552,7 +507,7 @@ class Observer:
         shapes = ", ".join("x".join(map(str, getattr(v.aval, "shape", ()))) or "scalar"
                            for v in eqn.invars if _floating_aval(v))
         fp8 = eqn.primitive.name in MATMUL_PRIMITIVES and any(_is_float8(d) for d in ran_in)
-        gradient = phase_of(path) == "backward" and any(
+        gradient = is_backward(path) and any(
             _dtype(v) == _F16 for v in eqn.outvars if _floating_aval(v))
         return RowInfo(path, eqn.primitive.name, " x ".join(d.name for d in ran_in), shapes,
                        fp8, gradient)
@@ -620,7 +575,15 @@ def _preserves_values(eqn: JaxprEqn) -> bool:
     if eqn.primitive.name == "convert_element_type":
         (x,), (y,) = eqn.invars, eqn.outvars
         return not _floating_aval(x) or not _floating_aval(y) or represents(_dtype(y), _dtype(x))
-    return eqn.primitive.name in VALUE_PRESERVING
+    return _moves_values(eqn)
+
+
+def _moves_values(eqn: JaxprEqn) -> bool:
+    """Whether ``eqn``'s results are values of its inputs, moved or selected (its rule
+    says so): they can neither overflow nor round, and add no new values to the gradient
+    histogram."""
+    rule = rule_of(eqn.primitive.name)
+    return rule is not None and rule.preserves_values
 
 
 def _dtype(v: Any) -> DType:
@@ -669,27 +632,23 @@ def _as_list(eqn: JaxprEqn, outs: Any) -> list[Any]:
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
-def _sub_jaxprs(eqn: JaxprEqn) -> bool:
-    return any(isinstance(x, (Jaxpr, ClosedJaxpr))
-               for value in eqn.params.values()
-               for x in (value if isinstance(value, (tuple, list)) else (value,)))
-
-
 def _at_traced_dtypes(eqn: JaxprEqn, refs: list[Any]) -> list[Any]:
     """``eqn`` bound at the dtypes it was traced with, its results widened again."""
     ins = [convert(r, _dtype(v)) if _floating_aval(v) else r for r, v in zip(refs, eqn.invars)]
     return [widened(o) for o in _as_list(eqn, bind(eqn, ins))]
 
 
-# Primitives whose parameters fix their dtypes (an embedded jaxpr, a bit layout): they are
-# evaluated at the traced dtypes, in float32 as in the program.
-_TRACED = TRACED_DTYPES - {"convert_element_type"}
+def _traced(eqn: JaxprEqn) -> bool:
+    """Whether ``eqn``'s parameters fix its dtypes (an embedded jaxpr, a bit layout): it
+    is evaluated at the traced dtypes, in float32 as in the program."""
+    rule = rule_of(eqn.primitive.name)
+    return rule is not None and rule.operands == "traced"
 
 
 def _float32_bind(eqn: JaxprEqn, refs: list[Any]) -> list[Any]:
     """``eqn`` in the float32 evaluation: on float32 inputs, nothing narrowed."""
     name = eqn.primitive.name
-    if name in _TRACED:
+    if _traced(eqn):
         return _at_traced_dtypes(eqn, refs)
     # On the inputs the program gave it, widened: the operation itself in float32.
     refs = [widened(r) for r in refs]

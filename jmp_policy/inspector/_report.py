@@ -46,12 +46,13 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from jmp_policy.autocast import modules as _modules
 from jmp_policy.autocast import autocast
 from jmp_policy.autocast.modules import Call
-from jmp_policy.float8 import Float8Like, Float8Recipe, as_recipe
+from jmp_policy.float8 import SCALINGS, Float8Like, Float8Recipe, as_recipe
 from jmp_policy.inspector._observer import (
-    HostSink, Observer, Registry, dead_equations, display_scope, observe, phase_of, rel_error)
-from jmp_policy.autocast.interpreter import higher_order_names
-from jmp_policy.dtypes import F32, is_floating
+    HostSink, Observer, Registry, dead_equations, observe, rel_error)
+from jmp_policy.autocast.interpreter import compute_dtype, higher_order_names
+from jmp_policy.dtypes import is_floating
 from jmp_policy.autocast.rules import parse_rules
+from jmp_policy.paths import display_scope, is_backward
 from jmp_policy.policy import Policy, PolicyLike, as_policy
 
 Phase = Literal["forward", "backward"]
@@ -157,7 +158,18 @@ class NumericsReport(SequenceABC[NumericsRow]):
 
     A report is a sequence of `NumericsRow` in program order (``report[0]``,
     ``len(report)``, ``for row in report``); `worst` and slicing give reports
-    of fewer rows. ``str(report)`` is a table of its rows.
+    of fewer rows. ``str(report)`` is a table of its rows that ends with the
+    next step: the ``autocast`` call with `suggest_rules` and, where the
+    backward pass holds values in float16, `suggest_loss_scale`.
+
+    >>> import jax, jax.numpy as jnp, jmp_policy
+    >>> def layer(x, w):
+    ...     with jax.named_scope("boom"):
+    ...         return (x * 1000.0) @ w
+    >>> report = jmp_policy.inspect_numerics(layer, "mixed_float16")(
+    ...     jnp.full((2, 3), 100.0), jnp.ones((3, 4)))
+    >>> str(report).splitlines()[-1]
+    "Next: autocast(layer, 'mixed_float16', rules={'float32_scopes': ['boom']})"
     """
 
     def __init__(self, rows: Sequence[NumericsRow], meta: _Meta):
@@ -193,7 +205,9 @@ class NumericsReport(SequenceABC[NumericsRow]):
         return NumericsReport(ranked[:n], self._meta)
 
     def __str__(self) -> str:
-        return _table(self._rows, self._meta)
+        """The rows as a table, then the next step: the ``autocast`` call with the
+        suggested rules and, with a backward pass in float16, the loss scale."""
+        return "\n".join([_table(self._rows, self._meta), *_next_step(self._rows, self._meta)])
 
     def __repr__(self) -> str:
         return (f"<NumericsReport of {self._meta.name} under {self._meta.policy}: "
@@ -231,19 +245,12 @@ class NumericsReport(SequenceABC[NumericsRow]):
         rules=...)``. An overflow outside any ``jax.named_scope`` cannot be
         pinned by scope: a warning names it.
         """
-        rules = dict(self._meta.rules or {})
-        listed = list(rules.get("float32_scopes", ()))
-        if isinstance(listed, str):
-            listed = [listed]
-        for row in self._rows:
-            if row.overflow and not row.scope:
-                warnings.warn(
-                    f"{row.primitive!r} ({row.phase}) overflows outside any jax.named_scope, "
-                    "so no float32 scope can pin it: wrap that code in "
-                    "jax.named_scope('name') and inspect again.", UserWarning, stacklevel=2)
-            elif row.overflow and row.scope not in listed:
-                listed.append(row.scope)
-        rules["float32_scopes"] = _outermost(listed)
+        rules, unscoped = _suggested_rules(self._rows, self._meta)
+        for row in unscoped:
+            warnings.warn(
+                f"{row.primitive!r} ({row.phase}) overflows outside any jax.named_scope, "
+                "so no float32 scope can pin it: wrap that code in "
+                "jax.named_scope('name') and inspect again.", UserWarning, stacklevel=2)
         return rules
 
     def suggest_loss_scale(self) -> float:
@@ -292,44 +299,34 @@ def inspect_numerics(
       fn: the function, as given to `jmp_policy.autocast` (``jit``-ed functions,
         Flax ``apply`` and NNX modules included).
       policy, rules, fp8: as for `jmp_policy.autocast`.
-      argnums: ``None`` (the forward pass only), or an int or tuple of ints as
-        in ``jax.grad``: the backward pass of ``fn``'s output, which must then
-        be a scalar, with respect to the floating leaves of those positional
-        arguments is inspected too.
+      argnums: ``None`` (the forward pass only), or an int or tuple of ints as in
+        ``jax.grad``: the backward pass of ``fn``'s output (then a scalar) with
+        respect to the floating leaves of those positional arguments too.
+
+    >>> import jax.numpy as jnp, jmp_policy
+    >>> loss = lambda w, x: jnp.sum(x @ w)
+    >>> report = jmp_policy.inspect_numerics(loss, "mixed_float16", argnums=0)(
+    ...     jnp.ones((3, 4)), jnp.ones((2, 3)))
+    >>> sorted({row.phase for row in report})
+    ['backward', 'forward']
     """
     if not callable(fn):
         raise TypeError(f"inspect_numerics expects a callable, got {fn!r}.")
     resolved = as_policy(policy)
     parse_rules(rules, higher_order_names())  # bad rules are an error now, not at the call
-    recipe = as_recipe(fp8)
-    if recipe is not None and recipe.delayed:
-        raise ValueError(
-            "inspect_numerics cannot take a delayed-scaling Float8Recipe: its scales depend "
-            "on amax histories of earlier steps, which one inspected call does not have. "
-            "Inspect with fp8='tensorwise' (the same formats, scaled by the values' own "
-            "maxima, which a settled history approaches).")
+    recipe = _current_recipe(fp8)
     positions = _argnums(argnums)
     name = _function_name(fn)
     meta = _Meta(name, resolved.name, None if recipe is None else _recipe_name(recipe),
                  rules, positions is not None)
+    programs = _Programs()
 
     @functools.wraps(fn)
     def inspect(*args: Any, **kwargs: Any) -> NumericsReport:
-        call = Call.of(fn, args, kwargs)
-        if any(isinstance(x, Tracer) for x in call.values):
-            raise TypeError(
-                f"inspect_numerics({name}) was called with traced values: it builds its "
-                "report on the host, so call it outside jax.jit, grad and vmap.")
+        call = _untraced(Call.of(fn, args, kwargs), name)
         wrt = _differentiated(positions, args, call, name)
         closed = _program_jaxpr(call, wrt, resolved, rules, recipe, name)
-        compute = _compute_dtype(resolved, call.values)
-        # The jaxpr's text, scopes included, says what the program computes: a call that
-        # traces the same jaxpr (closures unchanged but for array values) reuses it.
-        key = (closed.jaxpr.pretty_print(name_stack=True), compute)
-        program = programs.pop(key, None) or _Program.of(closed.jaxpr, compute)
-        programs[key] = program
-        while len(programs) > _PROGRAMS:
-            programs.popitem(last=False)
+        program = programs.of(closed.jaxpr, compute_dtype(resolved, call.values))
 
         def run(scale: float) -> HostSink:
             return program.run(closed.consts, call.values, scale)
@@ -338,8 +335,47 @@ def inspect_numerics(
         gradients = _gradients(program.registry, first, run) if wrt is not None else None
         return _report(program.registry, first, meta, gradients)
 
-    programs: collections.OrderedDict[tuple[str, Any], _Program] = collections.OrderedDict()
     return inspect
+
+
+def _untraced(call: Call, name: str) -> Call:
+    """``call``, whose values must be arrays, not tracers: the report is made on the host."""
+    if any(isinstance(x, Tracer) for x in call.values):
+        raise TypeError(
+            f"inspect_numerics({name}) was called with traced values: it builds its "
+            "report on the host, so call it outside jax.jit, grad and vmap.")
+    return call
+
+
+def _current_recipe(fp8: Float8Like) -> Optional[Float8Recipe]:
+    """``fp8`` as a recipe, which must scale currently: one inspected call has no history."""
+    recipe = as_recipe(fp8)
+    if recipe is not None and recipe.delayed:
+        raise ValueError(
+            "inspect_numerics cannot take a delayed-scaling Float8Recipe: its scales depend "
+            "on amax histories of earlier steps, which one inspected call does not have. "
+            "Inspect with fp8='tensorwise' (the same formats, scaled by the values' own "
+            "maxima, which a settled history approaches).")
+    return recipe
+
+
+class _Programs:
+    """The compiled inspections of one ``inspect_numerics`` function, the newest kept."""
+
+    def __init__(self) -> None:
+        self._kept: collections.OrderedDict[tuple[str, Any], _Program] = (
+            collections.OrderedDict())
+
+    def of(self, jaxpr: Jaxpr, compute: Any) -> _Program:
+        """The program inspecting ``jaxpr``, compiled once: the jaxpr's text, scopes
+        included, says what it computes, so a call that traces the same jaxpr (closures
+        unchanged but for array values) reuses it."""
+        key = (jaxpr.pretty_print(name_stack=True), compute)
+        program = self._kept.pop(key, None) or _Program.of(jaxpr, compute)
+        self._kept[key] = program
+        while len(self._kept) > _PROGRAMS:
+            self._kept.popitem(last=False)
+        return program
 
 
 _PROGRAMS = 4  # compiled inspections kept per inspect_numerics function, the oldest dropped
@@ -406,13 +442,6 @@ def _gradient_max(registry: Registry, sink: HostSink) -> float:
     top: float = max((s["f32_max"] if "f32_max" in s else s["max_abs"]
                       for n, s in sink.stats.items() if registry.rows[n].gradient), default=0.0)
     return top / sink.scale
-
-
-def _compute_dtype(policy: Policy, values: Sequence[Any]) -> Any:
-    compute = policy.compute_dtype
-    if compute is None:  # deprecated infer policies: compute follows the first floating input
-        compute = next((np.dtype(x.dtype) for x in values if is_floating(x)), F32)
-    return np.dtype(compute)
 
 
 def _function_name(fn: Callable[..., Any]) -> str:
@@ -519,7 +548,7 @@ def _report(registry: Registry, sink: HostSink, meta: _Meta,
         lo = {**_EXACT, "f32_max": lo["max_abs"], **lo}
         rows.append(NumericsRow(
             scope=display_scope(info.path), primitive=info.primitive,
-            phase=phase_of(info.path), dtype=info.dtype,
+            phase="backward" if is_backward(info.path) else "forward", dtype=info.dtype,
             max_abs=lo["max_abs"], overflow=int(lo["overflow"]),
             underflow=_fraction(lo["underflow"], lo["nonzero"]),
             subnormal=_fraction(lo["subnormal"], lo["size"]),
@@ -556,6 +585,45 @@ def _finite_or_null(x: Any) -> Any:
     if isinstance(x, list):
         return [_finite_or_null(v) for v in x]
     return x
+
+
+def _suggested_rules(rows: Sequence[NumericsRow],
+                     meta: _Meta) -> tuple[dict[str, Any], list[NumericsRow]]:
+    """`NumericsReport.suggest_rules` of ``rows``, and the overflowing rows outside any
+    scope, which no rule can pin."""
+    rules = dict(meta.rules or {})
+    listed = list(rules.get("float32_scopes", ()))
+    if isinstance(listed, str):
+        listed = [listed]
+    unscoped = []
+    for row in rows:
+        if row.overflow and not row.scope:
+            unscoped.append(row)
+        elif row.overflow and row.scope not in listed:
+            listed.append(row.scope)
+    rules["float32_scopes"] = _outermost(listed)
+    return rules, unscoped
+
+
+def _next_step(rows: Sequence[NumericsRow], meta: _Meta) -> list[str]:
+    """The lines that end a printed report: the ``autocast`` call to make next, with the
+    suggested rules and, where the backward pass holds values in float16, the loss scale
+    to train with."""
+    rules, unscoped = _suggested_rules(rows, meta)
+    args = [meta.name, repr(meta.policy)]
+    if rules["float32_scopes"] or len(rules) > 1:
+        args.append(f"rules={rules!r}")
+    if meta.fp8 is not None:
+        args.append(f"fp8={meta.fp8!r}" if meta.fp8 in SCALINGS else f"fp8={meta.fp8}")
+    lines = [f"Next: autocast({', '.join(args)})"]
+    lines += [f"      {row.primitive} ({row.phase}) overflows outside any jax.named_scope: "
+              "wrap it in one to pin it" for row in unscoped]
+    histogram = meta.gradient_histogram
+    if meta.backward and histogram is not None and histogram.any():
+        scale = _loss_scale(histogram, meta.gradient_max, warn=False)
+        lines.append(f"      with the loss scaled by 2**{int(math.log2(scale))} = {scale:g} "
+                     "(NumericsReport.suggest_loss_scale)")
+    return lines
 
 
 def _outermost(scopes: list[str]) -> list[str]:
