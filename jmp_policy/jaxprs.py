@@ -17,13 +17,16 @@ higher-order equation holds (a ``jit``'s body, a ``cond``'s branches) and
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Sequence, Union
+import collections
+from typing import Any, Callable, Generic, Hashable, Iterator, Optional, Sequence, TypeVar, Union
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from jmp_policy.paths import join_scope
 
-__all__ = ["bind", "scoped_eqns", "sub_jaxprs"]
+__all__ = ["Kept", "bind", "scoped_eqns", "sub_jaxprs"]
+
+T = TypeVar("T")
 
 
 def bind(eqn: JaxprEqn, invals: Sequence[Any], params: Optional[dict[str, Any]] = None) -> Any:
@@ -55,3 +58,32 @@ def scoped_eqns(jaxpr: Union[Jaxpr, ClosedJaxpr],
         yield path, eqn
         for sub in sub_jaxprs(eqn):
             yield from scoped_eqns(sub, path)
+
+
+class Kept(Generic[T]):
+    """What was made from a jaxpr (a compiled program), kept while a function traces to
+    the same jaxpr: the newest ``size`` kept, the oldest dropped.
+
+    A jaxpr's text, scopes included, says what it computes, so a function that traces
+    the same jaxpr again (its closures unchanged but for array values, its Python
+    choices the same) reuses what was made; ``extra`` tells apart what else it depends on.
+
+    >>> import jax, jax.numpy as jnp
+    >>> kept = Kept[int](size=2)
+    >>> jaxpr = jax.make_jaxpr(jnp.sin)(1.0).jaxpr
+    >>> kept.get(jaxpr, "f32", lambda: 1), kept.get(jaxpr, "f32", lambda: 2)
+    (1, 1)
+    """
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._kept: collections.OrderedDict[tuple[str, Hashable], T] = collections.OrderedDict()
+
+    def get(self, jaxpr: Jaxpr, extra: Hashable, make: Callable[[], T]) -> T:
+        """What ``make`` made for ``jaxpr`` and ``extra``, made now if it was not kept."""
+        key = (jaxpr.pretty_print(name_stack=True), extra)
+        value = self._kept.pop(key) if key in self._kept else make()
+        self._kept[key] = value
+        while len(self._kept) > self._size:
+            self._kept.popitem(last=False)
+        return value

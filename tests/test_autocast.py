@@ -2,6 +2,7 @@
 against float32, higher-order primitives, composition with transformations, rules,
 a transformer block and an 80-step training comparison."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -900,3 +901,53 @@ def test_interpreter_hooks_see_each_equation_with_its_scope():
     assert ("block", "exp", [F32]) in seen and ("block", "jit", [F32]) in seen
     assert [name for _, name, _ in seen] == ["dot_general", "exp", "jit", "dot_general",
                                              "reduce_sum"]
+
+
+def _compiles(fn, *args):
+    """How many XLA programs ``fn(*args)`` compiles (JAX's compilation log)."""
+    records = []
+
+    class Count(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("Finished XLA compilation"):
+                records.append(record)
+
+    handler, logger = Count(), logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(True), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            jax.block_until_ready(fn(*args))
+    finally:
+        logger.removeHandler(handler)
+    return len(records)
+
+
+@pytest.mark.parametrize("fp8", [None, "tensorwise", "nvfp4"])
+def test_an_eager_call_compiles_one_program_per_input_signature(fp8):
+    # Not one per primitive: a float8 product's quantization alone is dozens of them.
+    def mlp(w1, w2, x):
+        return jnp.tanh(jax.nn.gelu(x @ w1) @ w2)
+
+    f = jmp_policy.autocast(mlp, "params=float32,compute=bfloat16,output=bfloat16", fp8=fp8)
+    w1, w2, x = jnp.ones((48, 80)) * 0.1, jnp.ones((80, 48)) * 0.1, jnp.ones((32, 48))
+    assert _compiles(f, w1, w2, x) == 1
+    assert _compiles(f, w1 * 2, w2, x) == 0          # new values, same signature
+    assert _compiles(f, w1, w2, x[:16]) == 1         # a new signature
+    want = jax.jit(f)(w1, w2, x)
+    np.testing.assert_array_equal(np.asarray(f(w1, w2, x), np.float32),
+                                  np.asarray(want, np.float32))
+
+
+def test_an_eager_call_follows_the_scopes_its_python_chose():
+    # The program is kept by its jaxpr, scopes included: a call whose Python enters
+    # another scope (pinned to float32 or not) gets its own program.
+    def layer(w, x, scope):
+        with jax.named_scope(scope):
+            return x @ w
+
+    f = jmp_policy.autocast(layer, "mixed_bfloat16", rules={"float32_scopes": ["pinned"]})
+    w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
+    assert f(w, x, "pinned").dtype == jnp.float32
+    assert f(w, x, "free").dtype == jnp.bfloat16
+    assert f(w, x, "pinned").dtype == jnp.float32

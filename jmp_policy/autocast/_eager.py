@@ -15,11 +15,12 @@ dtype(bfloat16)
 
 from __future__ import annotations
 
-import collections
 from typing import Any, Callable, Sequence
 
 import jax
 from jax.extend.core import ClosedJaxpr
+
+from jmp_policy.jaxprs import Kept
 
 Evaluate = Callable[[ClosedJaxpr, Sequence[Any]], list[Any]]
 
@@ -44,10 +45,10 @@ def compilable(values: Sequence[Any]) -> bool:
 
 
 class Programs:
-    """Compiled evaluations, by the text of the jaxpr they evaluate; the oldest dropped."""
+    """Compiled evaluations, by the jaxpr they evaluate (`jaxprs.Kept`)."""
 
     def __init__(self) -> None:
-        self._programs: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._kept = Kept[Any](_KEPT)
 
     def run(self, evaluate: Evaluate, closed: ClosedJaxpr, values: Sequence[Any]) -> list[Any]:
         """``evaluate(closed, values)``, compiled once for this jaxpr and input signature.
@@ -55,17 +56,11 @@ class Programs:
         The jaxpr's constants are arguments of the program, so a function closing
         over new values of the same types reuses it.
         """
-        key = str(closed.jaxpr)
-        program = self._programs.pop(key, None)
-        if program is None:
-            jaxpr = closed.jaxpr
+        jaxpr = closed.jaxpr
 
-            def whole(consts: list[Any], values: list[Any]) -> list[Any]:
-                return evaluate(ClosedJaxpr(jaxpr, consts), values)
+        def whole(consts: list[Any], values: list[Any]) -> list[Any]:
+            return evaluate(ClosedJaxpr(jaxpr, consts), values)
 
-            program = jax.jit(whole)
-        self._programs[key] = program
-        while len(self._programs) > _KEPT:
-            self._programs.popitem(last=False)
+        program = self._kept.get(jaxpr, None, lambda: jax.jit(whole))
         out: list[Any] = program(list(closed.consts), list(values))
         return out

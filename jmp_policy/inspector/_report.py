@@ -28,7 +28,6 @@ float32; the operations downstream receive its inf and are not counted again.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import json
@@ -51,6 +50,7 @@ from jmp_policy.inspector._observer import (
     HostSink, Observer, Registry, dead_equations, observe, rel_error)
 from jmp_policy.autocast.interpreter import compute_dtype, higher_order_names
 from jmp_policy.dtypes import is_floating
+from jmp_policy.jaxprs import Kept
 from jmp_policy.autocast.rules import parse_rules
 from jmp_policy.paths import display_scope, is_backward
 from jmp_policy.policy import Policy, PolicyLike, as_policy
@@ -319,14 +319,15 @@ def inspect_numerics(
     name = _function_name(fn)
     meta = _Meta(name, resolved.name, None if recipe is None else _recipe_name(recipe),
                  rules, positions is not None)
-    programs = _Programs()
+    programs = Kept[_Program](_PROGRAMS)
 
     @functools.wraps(fn)
     def inspect(*args: Any, **kwargs: Any) -> NumericsReport:
         call = _untraced(Call.of(fn, args, kwargs), name)
         wrt = _differentiated(positions, args, call, name)
         closed = _program_jaxpr(call, wrt, resolved, rules, recipe, name)
-        program = programs.of(closed.jaxpr, compute_dtype(resolved, call.values))
+        compute = compute_dtype(resolved, call.values)
+        program = programs.get(closed.jaxpr, compute, lambda: _Program.of(closed.jaxpr, compute))
 
         def run(scale: float) -> HostSink:
             return program.run(closed.consts, call.values, scale)
@@ -357,25 +358,6 @@ def _current_recipe(fp8: Float8Like) -> Optional[Float8Recipe]:
             "Inspect with fp8='tensorwise' (the same formats, scaled by the values' own "
             "maxima, which a settled history approaches).")
     return recipe
-
-
-class _Programs:
-    """The compiled inspections of one ``inspect_numerics`` function, the newest kept."""
-
-    def __init__(self) -> None:
-        self._kept: collections.OrderedDict[tuple[str, Any], _Program] = (
-            collections.OrderedDict())
-
-    def of(self, jaxpr: Jaxpr, compute: Any) -> _Program:
-        """The program inspecting ``jaxpr``, compiled once: the jaxpr's text, scopes
-        included, says what it computes, so a call that traces the same jaxpr (closures
-        unchanged but for array values) reuses it."""
-        key = (jaxpr.pretty_print(name_stack=True), compute)
-        program = self._kept.pop(key, None) or _Program.of(jaxpr, compute)
-        self._kept[key] = program
-        while len(self._kept) > _PROGRAMS:
-            self._kept.popitem(last=False)
-        return program
 
 
 _PROGRAMS = 4  # compiled inspections kept per inspect_numerics function, the oldest dropped
