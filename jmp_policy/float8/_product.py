@@ -258,7 +258,7 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
                 # Quantized again for the backward contraction (rowwise, block scalings):
                 # made with the forward operand, or it waits for the backward pass and
                 # keeps the float32 weight alive past its update (XLA then copies a donated
-                # weight). Tying the left operand's too costs more than it saves (roofline).
+                # weight). Tying the left operand's too costs more than it saves.
                 qb, b_res = _made_together((qb, b_res))
             kept = (a_res, b_res)
         out = scheme.contract(fwd, qa, qb, rest, fwd.result_sharding(a), gemm)

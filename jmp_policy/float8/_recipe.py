@@ -100,9 +100,9 @@ class Float8Recipe:
       float8_weight_gradient: whether the backward product giving the
         gradient of a product's right operand (the weight in ``x @ w`` and in
         Flax's ``Dense``), a sum over all tokens, runs in float8 too; if not,
-        it runs in the compute dtype. On by default: keeping it out of
-        float8 made no measurable difference to training, and all three
-        products of a layer in float8 is where the speed is. Applies to
+        it runs in the compute dtype. On by default: all three products of a
+        layer in float8 is where the speed is (docs/fp8.md compares training
+        with it on and off). Applies to
         products that autocast differentiates (``jax.grad`` of an autocast
         function).
       stochastic_rounding: round the incoming gradients of the backward
@@ -146,12 +146,10 @@ class Float8Recipe:
     scaling: Scaling = "tensorwise"
     fwd_dtype: Any = None  # None: the scaling's default (_DEFAULT_DTYPES)
     bwd_dtype: Any = None
-    # Provisional: the smallest size float8 tensor-core GEMMs take (multiples of 16);
-    # benchmarks/gpu_fp8.py measures where float8 stops paying off on a GPU.
+    # The smallest size float8 tensor-core GEMMs take (multiples of 16).
     min_size: int = 16
     exclude: Union[str, Sequence[str]] = DEFAULT_EXCLUDE
     batched: bool = True
-    # Both chosen by measurement (docs/fp8.md): see the attribute documentation above.
     power_of_two_scales: bool = False
     float8_weight_gradient: bool = True
     stochastic_rounding: Optional[bool] = None  # None: on for "nvfp4" only

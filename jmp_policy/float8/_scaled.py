@@ -104,8 +104,7 @@ def _in_own_layout(values: jax.Array) -> jax.Array:
     itself, XLA writes the cast in the forward GEMM's layout, reading the float32
     weight transposed, and transposes the float8 copy back for the backward GEMM: two
     transposing kernels. Pinned row-major, the cast is a plain elementwise kernel and
-    only the float8 copy is transposed, or both layouts come from one kernel
-    (benchmarks/results/roofline_layout_2026-11-28.md).
+    only the float8 copy is transposed, or both layouts come from one kernel.
     """
     if values.ndim < 2:
         return values
