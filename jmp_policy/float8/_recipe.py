@@ -29,6 +29,7 @@ from jax.extend.core import JaxprEqn
 
 from jmp_policy.dtypes import is_floating_dtype
 from jmp_policy.float8 import _blocks
+from jmp_policy.float8._axes import free_axes
 from jmp_policy.paths import scope_names
 
 Scaling = Literal["tensorwise", "rowwise", "delayed", "mxfp8", "nvfp4"]
@@ -322,13 +323,6 @@ def _dimension_numbers(eqn: JaxprEqn) -> Any:
     return eqn.params["dimension_numbers"]
 
 
-def contracting_axes(eqn: JaxprEqn) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The contracting axes of a ``dot_general`` (or ``ragged_dot_general``) equation's
-    (lhs, rhs)."""
-    (lc, rc), _ = _dimension_numbers(eqn)
-    return tuple(lc), tuple(rc)
-
-
 def product_sizes(eqn: JaxprEqn) -> tuple[int, int, int]:
     """``(m, k, n)`` of a ``dot_general``: non-contracting, contracting, non-contracting sizes.
 
@@ -339,8 +333,8 @@ def product_sizes(eqn: JaxprEqn) -> tuple[int, int, int]:
     (lc, rc), (lb, rb) = _dimension_numbers(eqn)
     groups = eqn.params["ragged_dot_dimension_numbers"].rhs_group_dimensions \
         if eqn.primitive.name == RAGGED else ()
-    m = math.prod(d for i, d in enumerate(lhs) if i not in lc and i not in lb)
-    n = math.prod(d for i, d in enumerate(rhs) if i not in (*rc, *rb, *groups))
+    m = math.prod(lhs[i] for i in free_axes(len(lhs), lc, lb))
+    n = math.prod(rhs[i] for i in free_axes(len(rhs), rc, (*rb, *groups)))
     return m, math.prod(lhs[i] for i in lc), n
 
 
