@@ -55,15 +55,15 @@ from jmp_policy.float8._recipe import (
 
 __all__ = [
     "BLOCK_SCALES",
+    "SCALINGS",
+    "TENSOR_SCALES",
     "AmaxHistory",
     "Float8Like",
     "Float8Recipe",
     "Float8State",
     "ForwardModeError",
     "Refused",
-    "SCALINGS",
     "Slots",
-    "TENSOR_SCALES",
     "as_recipe",
     "eligible",
     "empty_history",

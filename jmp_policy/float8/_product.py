@@ -65,11 +65,19 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import JaxprEqn
-from jax.interpreters import ad, partial_eval as pe
+from jax.interpreters import ad
+from jax.interpreters import partial_eval as pe
 from jax.sharding import NamedSharding
 
 from jmp_policy import formats
-from jmp_policy.dtypes import F32, DType, convert, dtype_of, has_float32_range, represents
+from jmp_policy.dtypes import (
+    F32,
+    DType,
+    convert,
+    dtype_of,
+    has_float32_range,
+    represents,
+)
 from jmp_policy.float8._block_product import BlockScaled
 from jmp_policy.float8._delayed import AmaxHistory, observation
 from jmp_policy.float8._layout import Contraction, Layout, layout_of

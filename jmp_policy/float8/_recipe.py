@@ -8,11 +8,15 @@ inspector) agree:
   argument into one;
 * `eligible` says whether a ``dot_general`` (or mixture-of-experts
   ``ragged_dot_general``) equation runs in float8 (`why_not_float8` says why
-  not), and `operand_dtypes` which format each of its operands takes.
+  not), `operand_dtypes` which format each of its operands takes, and
+  `native_block_products` whether a block scaling's products run as the
+  backend's native GEMM.
 
->>> import jmp_policy
->>> jmp_policy.Float8Recipe("rowwise").scaling
-'rowwise'
+>>> import jax, jax.numpy as jnp, jmp_policy
+>>> recipe = jmp_policy.Float8Recipe("rowwise", min_size=64)
+>>> eqn = jax.make_jaxpr(jnp.matmul)(jnp.ones((128, 32)), jnp.ones((32, 128))).eqns[0]
+>>> eligible(recipe, eqn, "mlp"), why_not_float8(recipe, eqn, "mlp")
+(False, "its sizes (M=128, K=32, N=128) are below the recipe's min_size=64")
 """
 
 from __future__ import annotations
@@ -47,9 +51,6 @@ _DEFAULT_DTYPES = {
     "mxfp8": (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e4m3fn)),
     "nvfp4": (_blocks.E2M1, _blocks.E2M1),
 }
-
-_F32 = np.dtype(np.float32)
-
 
 @dataclasses.dataclass(frozen=True)
 class Float8Recipe:
@@ -316,32 +317,6 @@ RAGGED = "ragged_dot_general"
 by group, times their group's matrix of rhs ``[g, k, n]``."""
 
 
-def _dimension_numbers(eqn: JaxprEqn) -> Any:
-    """``((lhs contracting, rhs contracting), (lhs batch, rhs batch))`` of a product."""
-    if eqn.primitive.name == RAGGED:
-        return eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
-    return eqn.params["dimension_numbers"]
-
-
-def product_sizes(eqn: JaxprEqn) -> tuple[int, int, int]:
-    """``(m, k, n)`` of a ``dot_general``: non-contracting, contracting, non-contracting sizes.
-
-    Each is the product of those dimensions' sizes, batch dimensions (and the
-    group dimension of a ragged product's rhs) aside.
-    """
-    lhs, rhs = (_aval(v).shape for v in eqn.invars[:2])
-    (lc, rc), (lb, rb) = _dimension_numbers(eqn)
-    groups = eqn.params["ragged_dot_dimension_numbers"].rhs_group_dimensions \
-        if eqn.primitive.name == RAGGED else ()
-    m = math.prod(lhs[i] for i in free_axes(len(lhs), lc, lb))
-    n = math.prod(rhs[i] for i in free_axes(len(rhs), rc, (*rb, *groups)))
-    return m, math.prod(lhs[i] for i in lc), n
-
-
-def _aval(var: Any) -> Any:
-    return var.aval
-
-
 def eligible(recipe: Float8Recipe, eqn: JaxprEqn, scope: str) -> bool:
     """True when ``recipe`` runs ``eqn``, found under the name-scope path ``scope``, in float8.
 
@@ -375,6 +350,32 @@ def why_not_float8(recipe: Float8Recipe, eqn: JaxprEqn, scope: str) -> Optional[
         return (f"its scope {scope!r} matches the recipe's exclude (an output layer); "
                 "Float8Recipe(exclude=()) puts it in float8")
     return None
+
+
+def _dimension_numbers(eqn: JaxprEqn) -> Any:
+    """``((lhs contracting, rhs contracting), (lhs batch, rhs batch))`` of a product."""
+    if eqn.primitive.name == RAGGED:
+        return eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
+    return eqn.params["dimension_numbers"]
+
+
+def product_sizes(eqn: JaxprEqn) -> tuple[int, int, int]:
+    """``(m, k, n)`` of a ``dot_general``: non-contracting, contracting, non-contracting sizes.
+
+    Each is the product of those dimensions' sizes, batch dimensions (and the
+    group dimension of a ragged product's rhs) aside.
+    """
+    lhs, rhs = (_aval(v).shape for v in eqn.invars[:2])
+    (lc, rc), (lb, rb) = _dimension_numbers(eqn)
+    groups = eqn.params["ragged_dot_dimension_numbers"].rhs_group_dimensions \
+        if eqn.primitive.name == RAGGED else ()
+    m = math.prod(lhs[i] for i in free_axes(len(lhs), lc, lb))
+    n = math.prod(rhs[i] for i in free_axes(len(rhs), rc, (*rb, *groups)))
+    return m, math.prod(lhs[i] for i in lc), n
+
+
+def _aval(var: Any) -> Any:
+    return var.aval
 
 
 def is_plain_ragged(eqn: JaxprEqn) -> bool:

@@ -31,7 +31,12 @@ from jmp_policy import sharding as _sharding
 from jmp_policy.dtypes import F32, DType
 from jmp_policy.float8._axes import DenseAxes, OperandAxes
 from jmp_policy.float8._layout import Contraction
-from jmp_policy.float8._quantize import group_ids, quantize, quantize_delayed, quantize_groups
+from jmp_policy.float8._quantize import (
+    group_ids,
+    quantize,
+    quantize_delayed,
+    quantize_groups,
+)
 from jmp_policy.float8._recipe import Float8Recipe
 
 Quantized = tuple[jax.Array, jax.Array]
