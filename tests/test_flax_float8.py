@@ -1,4 +1,4 @@
-"""Delayed float8 scaling as a Flax layer's ``dot_general`` (issue 36): the amax histories
+"""Delayed float8 scaling as a Flax layer's ``dot_general``: the amax histories
 held by the layer (linen: a collection; NNX: a variable), the product autocast's.
 
 Each layer's values, gradients and observed maxima are those of

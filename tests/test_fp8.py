@@ -241,8 +241,8 @@ def test_an_outlier_row_spoils_tensorwise_not_rowwise(compile):
     want = (x @ w)[1:]
     errors = {s: rel_error(compile(autocast(jnp.matmul, "float32", fp8=s))(x, w)[1:], want)
               for s in SCALINGS}
-    # The outlier's scale pushes the other rows down to float8_e4m3fn's subnormals:
-    # 4.9% (7.3% with power-of-two scales) against 3.7% with a scale per row.
+    # The outlier's scale pushes the other rows down to float8_e4m3fn's subnormals, where
+    # they keep fewer bits; a scale per row leaves them their own range.
     assert errors["rowwise"] < 0.04
     assert errors["tensorwise"] > 1.25 * errors["rowwise"]
 
@@ -296,9 +296,9 @@ def test_jit_grad_vmap_agree_with_eager():
     out = f(p, x)
     assert rel_error(out, jax.jit(mlp)(p, x)) < 0.1
     # vmap: each example's scales are its own, as called one by one: the same numbers
-    # on XLA:CPU. On an H100 (2026-11-25) the two programs differed in a few values by
-    # a float8 step: XLA:GPU fuses their scaling differently, and a value on the edge
-    # between two float8 neighbours may round the other way.
+    # on XLA:CPU. On a GPU the two programs may differ in a few values by a float8 step:
+    # XLA:GPU fuses their scaling differently, and a value on the edge between two
+    # float8 neighbours may round the other way.
     batched = jax.jit(jax.vmap(f, in_axes=(None, 0)))(p, x[:, None])
     one = jax.jit(f)  # one example at a time, traced and compiled once
     one_by_one = jnp.stack([one(p, xi[None])[0] for xi in x])

@@ -274,7 +274,7 @@ def test_native_and_emulated_paths_compute_the_same_bits(scaling, compile, monke
 def test_nvfp4_weight_gradients_are_unbiased_with_stochastic_rounding(compile):
     # The weight gradient sums the incoming gradient over 2048 tokens (x is ones). Each
     # block of 16 tokens holds one 6 (its maximum) and fifteen 2.5s, which round to
-    # nearest (even) to 2: a 19% bias. Stochastically, to 2 or 3, half and half.
+    # nearest (even) to 2, biased low. Stochastically, to 2 or 3, half and half.
     x, w = jnp.ones((2048, 32)), rng(32, 16)
     ct = jnp.full((2048, 16), 2.5).at[::16].set(6.0)
     want = x.T @ ct

@@ -1,4 +1,4 @@
-"""Which derivatives go through autocast's float8 and block-scaled products (issue 35).
+"""Which derivatives go through autocast's float8 and block-scaled products.
 
 A quantized product is a ``jax.custom_vjp`` (``_product.quantized_product``): first
 derivatives in reverse mode only. Forward mode (``jax.jvp``, ``jax.jacfwd``,
@@ -6,9 +6,8 @@ derivatives in reverse mode only. Forward mode (``jax.jvp``, ``jax.jacfwd``,
 ``jax.grad`` of ``jax.grad``, ``jax.jacrev(jax.jacrev(f))``) raise a ``TypeError``
 naming the product and what to do instead (under an outer ``jit`` too), except where
 the tangent arrives after autocast has run and JAX raises its own (``linearize``'s
-linear function, ``jax.jvp`` of a ``jit``-ed autocast function).
-Before, second derivatives ran and gave NaN or wrong values, forward mode JAX's
-generic message everywhere.
+linear function, ``jax.jvp`` of a ``jit``-ed autocast function). Second derivatives
+would differentiate the quantization, which gives NaN or wrong values without a word.
 """
 
 import jax
@@ -38,7 +37,7 @@ FORWARD_MODE = {
     "jvp": lambda f: jax.jvp(f, (W,), (W,)),
     "jacfwd": lambda f: jax.jacfwd(f)(W),
     "jit(jacfwd)": lambda f: jax.jit(jax.jacfwd(f))(W),
-    "jit(jvp)": lambda f: jax.jit(lambda w: jax.jvp(f, (w,), (w,)))(W),  # before: JAX's message
+    "jit(jvp)": lambda f: jax.jit(lambda w: jax.jvp(f, (w,), (w,)))(W),
 }
 
 SECOND_ORDER = {
@@ -67,7 +66,8 @@ def test_forward_mode_raises_naming_the_product_and_what_to_do(recipe, transform
 @pytest.mark.parametrize("transform", SECOND_ORDER)
 def test_second_derivatives_raise_instead_of_differentiating_the_quantization(
         recipe, transform):
-    # Before: NaN (hessian) or tens of percent off (jacrev of jacrev), without a word.
+    # Differentiating the quantization would give NaN (hessian) or values far off
+    # (jacrev of jacrev), without a word.
     with pytest.raises(TypeError, match=SECOND):
         SECOND_ORDER[transform](loss(recipe))
 

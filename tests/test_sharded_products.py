@@ -1,4 +1,4 @@
-"""Autocast's float8 and block-scaled products on sharded operands (issue 35, point 2).
+"""Autocast's float8 and block-scaled products on sharded operands.
 
 Every recipe, under a mesh of explicit axes (``jax.set_mesh``, where JAX checks
 shardings while tracing) and of auto axes (where XLA's partitioner places arrays),
@@ -110,8 +110,8 @@ def test_every_recipe_runs_under_every_mesh_and_sharding(facts):
 def test_sharded_gradients_are_the_single_device_ones(facts):
     # Plain bfloat16 and quantized GEMMs give bfloat16, and a partitioned product rounds
     # its partial sums to bfloat16 before adding them: a few units of bfloat16's
-    # precision on the largest values (float8's own error here is 6%; a wrong
-    # partitioning, a sum missed or doubled, is off by tens of percent).
+    # precision on the largest values (well within float8's own error; a wrong
+    # partitioning, a sum missed or doubled, is off by far more).
     for key, v in facts.items():
         assert v["error"] <= 5e-2, (key, v["error"])
 

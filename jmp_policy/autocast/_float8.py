@@ -3,8 +3,15 @@
 `float8_matmul` makes a ``Context.matmul`` rule from a recipe. A product that
 the recipe leaves alone (see `jmp_policy.float8.eligible`) goes to the default
 `matmul` rule; an eligible ``dot_general`` or mixture-of-experts
-``ragged_dot_general`` becomes `jmp_policy.float8.quantized_product` with the
-recipe's scheme.
+``ragged_dot_general`` becomes `jmp_policy.float8.quantized_product`, in the formats
+`jmp_policy.float8.operand_dtypes` gives it, and under delayed scaling with the amax
+history the interpreter's slots hand it (``Context.float8_slots``).
+
+>>> import jax.numpy as jnp, jmp_policy
+>>> recipe = jmp_policy.Float8Recipe("rowwise", power_of_two_scales=True)
+>>> f = jmp_policy.autocast(lambda x, w: x @ w, "float32", fp8=recipe)
+>>> f(jnp.ones((16, 32)), jnp.ones((32, 16)))[0, 0]   # ones and their scales: exact in float8
+Array(32., dtype=float32)
 """
 
 from __future__ import annotations
@@ -15,11 +22,8 @@ from typing import Any
 from jax.extend.core import JaxprEqn
 
 from jmp_policy.autocast.interpreter import Context, MatmulRule, matmul
-from jmp_policy.float8 import Blocks
-from jmp_policy.float8 import AmaxHistory
-from jmp_policy.float8 import quantized_product
-from jmp_policy.float8 import RAGGED, Float8Recipe, eligible, native_block_products, operand_dtypes
-from jmp_policy.float8 import Float8
+from jmp_policy.float8 import (
+    AmaxHistory, Float8Recipe, eligible, operand_dtypes, quantized_product)
 
 
 FLOAT8_PRODUCTS = "float8 products"
@@ -37,13 +41,9 @@ def float8_matmul(recipe: Float8Recipe) -> MatmulRule:
         if not eligible(recipe, eqn, ctx.scope):
             return matmul(ctx, eqn, invals)
         ctx.tally(FLOAT8_PRODUCTS)
-        # Block products: native or emulated, decided when tracing, from the backend;
-        # ragged ones have no native product in JAX.
-        scheme = (Blocks(recipe, native_block_products(recipe) and eqn.primitive.name != RAGGED)
-                  if recipe.blocks else Float8(recipe))
         history = _history(ctx) if recipe.delayed else None
-        return quantized_product(eqn, recipe, scheme, operand_dtypes(recipe, ctx.scope),
-                                 ctx.compute, *invals, history=history)
+        return quantized_product(eqn, recipe, operand_dtypes(recipe, ctx.scope), ctx.compute,
+                                 *invals, history=history)
 
     return rule
 

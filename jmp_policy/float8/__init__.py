@@ -5,8 +5,25 @@ are scaled: per tensor or per row from their current maximum
 (``"tensorwise"``, ``"rowwise"``), from an amax history (``"delayed"``, whose
 state is a `Float8State` of `AmaxHistory` values), or per block of 32 or 16
 values (``"mxfp8"``, ``"nvfp4"``). `quantized_product` is the one product, with
-its derivative, that every scheme runs through; autocast's ``fp8=`` argument
-applies it to a function's products.
+its derivative, that every scaling runs through; autocast's ``fp8=`` argument
+applies it to a function's products. The modules, in reading order:
+
+* ``_recipe``: the recipe (`Float8Recipe`, `as_recipe` for autocast's ``fp8=``),
+  which products it runs in float8 (`eligible`, `why_not_float8`) and in which
+  formats (`operand_dtypes`, `native_block_products`);
+* ``_quantize``: the current- and delayed-scaling quantizers, a scale per tensor,
+  row or group of a ragged product;
+* ``_blocks``: the block formats, MXFP8 and NVFP4, and the scopes their scales
+  are made under (`BLOCK_SCALES`, `TENSOR_SCALES`, for the numerics inspector);
+* ``_axes`` and ``_layout``: where each axis of a product goes, and a product's
+  three contractions (forward, and the two of its backward pass), dense or ragged;
+* ``_scaled`` and ``_block_product``: the schemes, how operands are quantized for a
+  contraction and multiplied: per tensor or row, or per block;
+* ``_product``: `quantized_product`, forward and backward (`ForwardModeError` for
+  the derivatives it does not have);
+* ``_delayed``: delayed scaling's amax histories (`Float8State`, `AmaxHistory`,
+  `empty_history`), and how autocast's interpreter hands them to products in trace
+  order, loops included (`Slots`, `Refused`, `stacked`, `make_state`).
 
 >>> import jax.numpy as jnp, jmp_policy
 >>> f = jmp_policy.autocast(lambda x, w: x @ w, "mixed_bfloat16", fp8="tensorwise")
@@ -14,7 +31,6 @@ applies it to a function's products.
 dtype(bfloat16)
 """
 
-from jmp_policy.float8._block_product import Blocks
 from jmp_policy.float8._blocks import BLOCK_SCALES, TENSOR_SCALES
 from jmp_policy.float8._delayed import (
     AmaxHistory,
@@ -26,44 +42,34 @@ from jmp_policy.float8._delayed import (
     stacked,
 )
 from jmp_policy.float8._product import ForwardModeError, quantized_product
-from jmp_policy.float8._quantize import QuantizationCounts, quantization_counts
 from jmp_policy.float8._recipe import (
-    RAGGED,
     SCALINGS,
     Float8Like,
     Float8Recipe,
     as_recipe,
     eligible,
-    is_backward,
     native_block_products,
     operand_dtypes,
     why_not_float8,
 )
-from jmp_policy.float8._scaled import Float8
 
 __all__ = [
     "BLOCK_SCALES",
-    "Blocks",
+    "SCALINGS",
+    "TENSOR_SCALES",
     "AmaxHistory",
-    "Float8",
     "Float8Like",
     "Float8Recipe",
     "Float8State",
     "ForwardModeError",
-    "QuantizationCounts",
-    "RAGGED",
     "Refused",
-    "SCALINGS",
     "Slots",
-    "TENSOR_SCALES",
     "as_recipe",
     "eligible",
     "empty_history",
-    "is_backward",
     "make_state",
     "native_block_products",
     "operand_dtypes",
-    "quantization_counts",
     "quantized_product",
     "stacked",
     "why_not_float8",

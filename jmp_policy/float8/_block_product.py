@@ -1,13 +1,12 @@
-"""The block-scaled scheme of autocast's products (MXFP8, NVFP4).
+"""The block-scaled scheme of quantized products (MXFP8, NVFP4): `BlockScaled`.
 
-A product of a recipe with a block scaling is ``_product.quantized_product``
-with the `Blocks` scheme: each operand of each contraction is quantized in
-blocks along the axes that contraction sums over (``_blocks``), and the
-contraction is either the backend's native block-scaled GEMM
-(``jax.nn.scaled_matmul``) or its exact emulation, the operands dequantized
-to float32 and multiplied in float32 (``Precision.HIGHEST``: no TF32 on GPUs
-without the native product). The choice is made when tracing
-(``_fp8.native_block_products``).
+With an ``"mxfp8"`` or ``"nvfp4"`` recipe, ``_product.quantized_product``
+quantizes each operand of each contraction in blocks along the axes that
+contraction sums over (``_blocks``): a scale per 32 or 16 values gives each block
+its own range. The contraction is either the backend's native block-scaled GEMM
+(``jax.nn.scaled_matmul``) or its exact emulation, the operands dequantized to
+float32 and multiplied in float32 (``Precision.HIGHEST``: no TF32 on GPUs without
+the native product). The choice is made when tracing (``_recipe.native_block_products``).
 
 >>> import jax, jax.numpy as jnp, jmp_policy
 >>> f = jmp_policy.autocast(lambda x, w: x @ w, "mixed_bfloat16", fp8="mxfp8")
@@ -29,16 +28,17 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 from jmp_policy import sharding as _sharding
-from jmp_policy.float8 import _blocks
-from jmp_policy.float8._recipe import Float8Recipe
-from jmp_policy.float8._quantize import group_ids
 from jmp_policy.dtypes import F32, DType, convert
-from jmp_policy.float8._product import Contraction
+from jmp_policy.float8 import _blocks
+from jmp_policy.float8._axes import DenseAxes, OperandAxes
+from jmp_policy.float8._layout import Contraction
+from jmp_policy.float8._quantize import group_ids
+from jmp_policy.float8._recipe import Float8Recipe
 
 _HIGHEST = lax.Precision.HIGHEST
 
 
-def _arranged(x: Any, contract: Sequence[int], batch: Sequence[int], block: int) -> Any:
+def _arranged(x: Any, axes: OperandAxes, block: int) -> Any:
     """``x`` as ``(batch, free, contracting)``, the contracting axes merged into one and
     padded with zeros (which add nothing to a product) to whole blocks of ``block``.
 
@@ -47,13 +47,12 @@ def _arranged(x: Any, contract: Sequence[int], batch: Sequence[int], block: int)
     its values. Merged contracting axes keep only the first one's sharding, padding
     none (JAX's reshape and pad rules)."""
     shape = jnp.shape(x)
-    free = [i for i in range(len(shape)) if i not in contract and i not in batch]
-    x = lax.transpose(x, (*batch, *free, *contract))
-    kept = len(batch) + len(free)
-    if len(contract) != 1:
+    x = lax.transpose(x, (*axes.batch, *axes.free, *axes.contract))
+    kept = len(axes.batch) + len(axes.free)
+    if len(axes.contract) != 1:
         for axis in range(kept + 1, len(shape)):
             x = _sharding.gathered(x, axis)
-        x = lax.reshape(x, (*jnp.shape(x)[:kept], math.prod(shape[i] for i in contract)))
+        x = lax.reshape(x, (*jnp.shape(x)[:kept], math.prod(shape[i] for i in axes.contract)))
     pad = -jnp.shape(x)[-1] % block
     if pad:
         x = _blocks.pad_last(_sharding.gathered(x, kept), pad)
@@ -70,14 +69,13 @@ def block_dot(a: Any, b: Any, dims: Any, scaling: str, formats: tuple[DType, DTy
     NVFP4's per-tensor scales computed unless given in ``tensor_scales``), the result
     sharded as ``out_sharding`` if given (explicit mesh axes). The product itself gives
     ``gemm_dtype`` (accumulated in float32), which NVFP4's tensor scales then widen."""
-    (lc, rc), (lb, rb) = dims
+    axes = DenseAxes.of(dims, jnp.ndim(a), jnp.ndim(b))
     block = _blocks.BLOCK_SIZES[scaling]
     # (batch, free, contracting), quantized along the last axis
-    qa, qb = (_blocks.quantize_blocks(_arranged(x, c, bt, block), scaling, fmt, seed=seed,
+    qa, qb = (_blocks.quantize_blocks(_arranged(x, side, block), scaling, fmt, seed=seed,
                                       tensor_scale=scale)
-              for x, c, bt, fmt, seed, scale in zip((a, b), (lc, rc), (lb, rb), formats, seeds,
-                                                    tensor_scales))
-    batch = len(lb)
+              for x, side, fmt, seed, scale in zip((a, b), axes, formats, seeds, tensor_scales))
+    batch = len(axes.lhs.batch)
     if native:
         out = _native(qa, qb, batch, scaling, gemm_dtype)
     else:  # the same layout as dot_general(a, b, dims)'s result: (batch, lhs free, rhs free)
@@ -131,7 +129,7 @@ class Kept(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Blocks:
+class BlockScaled:
     """Block-scaled operands (MXFP8, NVFP4), in blocks along each contraction's summed axes,
     multiplied natively (``native``, dense products only) or by the exact emulation.
 

@@ -36,7 +36,7 @@ scanned operand.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -135,9 +135,12 @@ class Slots:
 
     @property
     def taken(self) -> int:
+        """How many histories have been handed out."""
         return len(self.requests)
 
     def take(self, scope: str, stack: tuple[int, ...] = ()) -> AmaxHistory:
+        """The history of the next product, found under ``scope`` inside ``lax.scan`` loops
+        of lengths ``stack`` (one history per iteration, stacked)."""
         shape = (*stack, self.length)
         index = self.taken
         self.requests.append((scope, stack))
@@ -160,6 +163,7 @@ class Slots:
         return history
 
     def check_all_taken(self) -> None:
+        """Raises if a given state holds more histories than the function ran products."""
         if self.given is not None and self.taken != len(self.given):
             raise ValueError(
                 f"This Float8State has {len(self.given)} product histories, but the "
@@ -183,7 +187,7 @@ class Refused:
             "lax.scan or a Python loop instead, or a current scaling (fp8='tensorwise').")
 
 
-def stacked(slots: Any, requests: Sequence[tuple[str, tuple[int, ...]]],
+def stacked(slots: Union[Slots, Refused], requests: Sequence[tuple[str, tuple[int, ...]]],
             length: int) -> list[AmaxHistory]:
     """The histories for the products of a loop body of ``length`` iterations that
     recorded ``requests``, taken from ``slots``, one per iteration each."""

@@ -1,30 +1,23 @@
-"""Autocast's quantized products: every float8 and block-scaled recipe, dense and ragged,
-forward and backward, from one ``custom_vjp``.
+"""The quantized product: every float8 and block-scaled recipe, dense and ragged,
+forward and backward, from one ``custom_vjp``, the only place that defines a
+product's derivative.
 
-A product of ``lhs`` and ``rhs`` (a ``dot_general``, or a ``ragged_dot_general`` in
-``lax.ragged_dot``'s layout) is three contractions: the forward one, and in the
-backward pass the incoming gradient ``g`` with ``rhs`` (lhs's gradient) and with
-``lhs`` (rhs's gradient). A `Layout` holds the three `Contraction` s of a product:
-which named operands each takes, which of their axes it contracts, how its result
-is laid out. Dense and ragged products differ only there. A `Scheme` says how an
-operand is quantized for a contraction (`Scheme.prepare`) and how quantized
-operands are multiplied (`Scheme.contract`): current-scaled float8, one scale per
-tensor or row (``_fp8_matmul.Float8``), or block-scaled MXFP8 and NVFP4
-(``_block_matmul.Blocks``). `quantized_product` puts the two together; it is
-the only place that defines a product's derivative.
+`quantized_product` runs the three contractions of a product (``_layout``: the
+forward one, and the two of the backward pass) with the recipe's `Scheme`, which
+says how an operand is quantized for a contraction (`Scheme.prepare`) and how
+quantized operands are multiplied (`Scheme.contract`): current- or delayed-scaled
+float8, one scale per tensor or row (``_scaled.Float8``), or block-scaled MXFP8 and
+NVFP4 (``_block_product.BlockScaled``). `_Rules` holds the rules, in the order they
+run: the forward operands quantized, what the forward pass keeps of them, the
+forward contraction, then the backward contractions.
 
-Every operand of every contraction is quantized along the axes that contraction
-sums over: a forward operand is quantized again for its backward contraction
-(a scheme keeps what it can: a tensorwise operand serves every contraction).
-The incoming gradient takes ``recipe.bwd_dtype``, rounded stochastically if the
-recipe says so: each value with random bits salted with its own bits
-(``formats.salted_bits``) and a fixed seed per backward contraction, so that the
-draws change as the values do, no state is carried, and a sharded gradient rounds
-shard by shard, with no reduction over it.
-
-Sharded products (``_sharding``): under explicit mesh axes, each contraction's result
-takes the sharding the plain product gives it (the forward one) or that of the operand
-it is the gradient of, as JAX's own transposition of a ``dot_general`` does.
+A forward operand is quantized again for its backward contraction, along the axes
+that one sums over (a scheme keeps what it can: a tensorwise operand serves every
+contraction). The incoming gradient takes ``recipe.bwd_dtype``, rounded
+stochastically if the recipe says so: each value with random bits salted with its
+own bits (``formats.salted_bits``) and a fixed seed per backward contraction, so that
+the draws change as the values do, no state is carried, and a sharded gradient
+rounds shard by shard, with no reduction over it.
 
 Under ``jax.checkpoint``, what the forward rule keeps of each operand for the
 backward contractions (float8 values and their scales for `Float8` schemes) is
@@ -46,143 +39,55 @@ whose body is traced before it is differentiated), JAX raises its own ``TypeErro
 Differentiating the forward and backward rules themselves (``jax.hessian``,
 ``jax.jvp`` or ``jax.grad`` of a gradient, ``jacrev(jacrev(f))``) would
 differentiate the quantization (tangents rounded to float8 without scales: NaN, or
-wrong by tens of percent), so their operands pass through `_first_order_only`,
-which raises `ForwardModeError` when traced with a tangent, under ``jit`` too.
+wrong by far), so their operands pass through `_first_order_only`, which raises
+`ForwardModeError` when traced with a tangent, under ``jit`` too.
+
+>>> import jax, jax.numpy as jnp, jmp_policy
+>>> f = jmp_policy.autocast(lambda x, w: jnp.sum(x @ w), "mixed_bfloat16", fp8="rowwise")
+>>> x, w = jnp.ones((16, 32)), jnp.ones((32, 16))
+>>> jax.grad(f, argnums=1)(x, w).shape
+(32, 16)
+>>> try:
+...     jax.jvp(lambda w: f(x, w), (w,), (w,))
+... except jmp_policy.float8.ForwardModeError as e:
+...     print(str(e)[:60])
+autocast's rowwise float8 product (dot_general of float32[16
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import JaxprEqn
-from jax.interpreters import ad, partial_eval as pe
-
-import numpy as np
+from jax.interpreters import ad
+from jax.interpreters import partial_eval as pe
 from jax.sharding import NamedSharding
 
 from jmp_policy import formats
-from jmp_policy import sharding as _sharding
-from jmp_policy.float8._delayed import AmaxHistory, observation
-from jmp_policy.float8._recipe import RAGGED, Float8Recipe
-from jmp_policy.float8._quantize import WEIGHT_GRADIENT, in_groups, ragged_dims
-from jmp_policy.jaxprs import bind
 from jmp_policy.dtypes import (
-    F32, DType, convert, dtype_of, has_float32_range, represents)
-
-Name = Literal["lhs", "rhs", "g"]
+    F32,
+    DType,
+    convert,
+    dtype_of,
+    has_float32_range,
+    represents,
+)
+from jmp_policy.float8._block_product import BlockScaled
+from jmp_policy.float8._delayed import AmaxHistory, observation
+from jmp_policy.float8._layout import Contraction, Layout, layout_of
+from jmp_policy.float8._recipe import RAGGED, Float8Recipe, native_block_products
+from jmp_policy.float8._scaled import Float8
 
 QUANTIZED_LHS = "autocast_quantized_lhs"
 """The ``checkpoint_name`` of what a quantized product keeps of its left operand."""
 QUANTIZED_RHS = "autocast_quantized_rhs"
 """The ``checkpoint_name`` of what a quantized product keeps of its right operand."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Contraction:
-    """One contraction of a product.
-
-    Attributes:
-      operands: the names of its (left, right) operands.
-      axes: the axes of (left, right) that it sums over: each operand is quantized
-        along them (rowwise: one scale per row of the others; blocks: blocks along them).
-      dims: its dimension numbers (``dot_general``'s, or a ``RaggedDotDimensionNumbers``).
-      ragged: whether it is a ``ragged_dot_general``, whose third operand is the group sizes.
-      grouped: whether it sums over each group's rows (a ragged product's weight
-        gradient): its operands take one scale per group (and column).
-      perm: the transpose taking its result to the layout of the operand it is the
-        gradient of, if any.
-      eqn: the equation it rewrites (the forward contraction), whose parameters it keeps.
-    """
-
-    operands: tuple[Name, Name]
-    axes: tuple[tuple[int, ...], tuple[int, ...]]
-    dims: Any
-    ragged: bool = False
-    grouped: bool = False
-    perm: Optional[tuple[int, ...]] = None
-    eqn: Optional[JaxprEqn] = None
-
-    def dot(self, left: Any, right: Any, rest: Sequence[Any],
-            out_sharding: Optional[NamedSharding] = None, **params: Any) -> jax.Array:
-        """The contraction of ``left`` and ``right`` as JAX computes it, with ``params``
-        (``preferred_element_type``, ``precision``), its result sharded as
-        ``out_sharding`` if given (see `result_sharding`)."""
-        if self.eqn is not None:  # bound as traced: the parameters hold canonical values
-            precision = params.pop("precision", None)
-            if precision is not None:
-                precision = (precision, precision)
-            out: jax.Array = bind(self.eqn, (left, right, *rest),
-                                  {**self.eqn.params, "precision": precision, **params})
-            return out
-        if self.ragged:
-            return lax.ragged_dot_general(left, right, rest[0], self.dims, **params)
-        return lax.dot_general(left, right, self.dims, out_sharding=out_sharding, **params)
-
-    def result_sharding(self, operand: Any) -> Optional[NamedSharding]:
-        """Under explicit mesh axes, the sharding this contraction's result takes: the
-        forward one's that of the traced product's result, a gradient's that of
-        ``operand`` (the operand it is the gradient of, or a value of its type) before
-        `arranged`'s transpose. ``None`` elsewhere, and for ragged products, which keep
-        JAX's rule."""
-        if self.ragged:
-            return None
-        if self.eqn is not None:
-            return _sharding.explicit(self.eqn.outvars[0].aval)
-        return _sharding.permuted(_sharding.explicit(operand), self.perm)
-
-    def arranged(self, out: jax.Array) -> jax.Array:
-        """The contraction's result in the layout of the operand it is the gradient of."""
-        return out if self.perm is None else lax.transpose(out, self.perm)
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """A product's three contractions, and what its operands must be before them."""
-
-    forward: Contraction
-    lhs_gradient: Contraction
-    rhs_gradient: Contraction
-    ragged: bool = False
-
-    def masked(self, x: Any, rest: Sequence[Any]) -> Any:
-        """``x`` as the contractions take it: a ragged product's rows past the groups zeroed
-        (they take no part in it, so they must not count in its scales either)."""
-        return in_groups(x, rest[0]) if self.ragged else x
-
-
-def layout_of(eqn: JaxprEqn, lhs_ndim: int, rhs_ndim: int) -> Layout:
-    """The `Layout` of ``eqn``, a ``dot_general`` or a plain ``ragged_dot_general``."""
-    if eqn.primitive.name == RAGGED:
-        return _ragged_layout(eqn)
-    dims = eqn.params["dimension_numbers"]
-    axes = DenseAxes.of(dims, lhs_ndim, rhs_ndim)
-    lhs_dims, lhs_perm = axes.lhs_gradient()
-    rhs_dims, rhs_perm = axes.rhs_gradient()
-    return Layout(
-        Contraction(("lhs", "rhs"), (axes.lhs_contract, axes.rhs_contract), dims, eqn=eqn),
-        Contraction(("g", "rhs"), (axes.out_rhs_free, axes.rhs_free), lhs_dims, perm=lhs_perm),
-        Contraction(("g", "lhs"), (axes.out_lhs_free, axes.lhs_free), rhs_dims, perm=rhs_perm))
-
-
-def _ragged_layout(eqn: JaxprEqn) -> Layout:
-    """``[m, k] x [groups, k, n] -> [m, n]`` (or rhs ``[groups, n, k]``): lhs's gradient is
-    ragged like the forward product; rhs's sums each group's rows, ``[m, k] x [m, n] ->
-    [groups, k, n]``."""
-    rhs_k = eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers[0][1][0]
-    rhs_n = 3 - rhs_k
-    return Layout(
-        Contraction(("lhs", "rhs"), ((1,), (rhs_k,)), eqn.params["ragged_dot_dimension_numbers"],
-                    ragged=True, eqn=eqn),
-        Contraction(("g", "rhs"), ((1,), (rhs_n,)), ragged_dims((1, rhs_n), True, True),
-                    ragged=True),
-        Contraction(("lhs", "g"), ((0,), (0,)), WEIGHT_GRADIENT, ragged=True, grouped=True,
-                    perm=(0, 2, 1) if rhs_k == 2 else None),
-        ragged=True)
 
 
 class Scheme(Protocol):
@@ -211,7 +116,7 @@ class Scheme(Protocol):
         ``gemm_dtype`` (see `_gemm_dtype`), which the rescaling then widens."""
 
 
-def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
+def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe,
                       operand_formats: tuple[DType, DType], compute: DType,
                       lhs: Any, rhs: Any, *rest: Any,
                       history: Optional[AmaxHistory] = None) -> Any:
@@ -229,97 +134,12 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
     cotangent is what the product observed: each operand's absolute maximum, the
     incoming gradient's from the backward pass (``_delayed.observation``).
     """
-    # This rule runs whenever the product is differentiated, possibly after this trace:
-    # it keeps the equation, recipe and dtypes, never a traced value.
-    layout = layout_of(eqn, jnp.ndim(lhs), jnp.ndim(rhs))
-    lhs_dtype, rhs_dtype, gemm = dtype_of(lhs), dtype_of(rhs), _gemm_dtype(compute)
-    fmt = {"lhs": operand_formats[0], "rhs": operand_formats[1], "g": recipe.bwd_dtype}
-    fwd, d_lhs, d_rhs = layout.forward, layout.lhs_gradient, layout.rhs_gradient
-
-    def seed(c: Contraction) -> Optional[jax.Array]:
-        # Fixed, the values salting the bits: the salt tells apart the two backward
-        # contractions' roundings of g.
-        salt = 1 if c is d_lhs else 2
-        return jnp.asarray(np.array([salt, _SEED_WORD], np.uint32)) \
-            if recipe.stochastic_rounding else None
-
-    def forward(a: Any, b: Any, h: Optional[AmaxHistory], rest: Sequence[Any],
-                saved: bool = False) -> tuple[Any, Any]:
-        """The product, and with ``saved`` what its backward pass keeps of the operands."""
-        a = layout.masked(a, rest)
-        qa = scheme.prepare(a, fmt["lhs"], fwd, 0, None, rest, *_of(h, "lhs"))
-        qb = scheme.prepare(b, fmt["rhs"], fwd, 1, None, rest, *_of(h, "rhs"))
-        kept = None
-        if saved:
-            a_res = (scheme.keep(a, qa, fmt["lhs"], d_rhs, d_rhs.operands.index("lhs"), rest)
-                     if recipe.float8_weight_gradient else a)
-            b_res = scheme.keep(b, qb, fmt["rhs"], d_lhs, 1, rest)
-            if b_res is not qb:
-                # Quantized again for the backward contraction (rowwise, block scalings):
-                # made with the forward operand, or it waits for the backward pass and
-                # keeps the float32 weight alive past its update (XLA then copies a donated
-                # weight). Tying the left operand's too costs more than it saves (roofline).
-                qb, b_res = _made_together((qb, b_res))
-            kept = (a_res, b_res)
-        out = scheme.contract(fwd, qa, qb, rest, fwd.result_sharding(a), gemm)
-        return _narrowed(out, compute), (kept, qa, qb)
-
-    def product(a: Any, b: Any, h: Optional[AmaxHistory], *rest: Any) -> Any:
-        return forward(a, b, h, rest)[0]
-
-    def product_fwd(a: Any, b: Any, h: Optional[AmaxHistory],
-                    *rest: Any) -> tuple[Any, tuple[Any, ...]]:
-        out, ((a_res, b_res), qa, qb) = forward(a, b, h, rest, saved=True)
-        named = (checkpoint_name(a_res, QUANTIZED_LHS),  # type: ignore[no-untyped-call]
-                 checkpoint_name(b_res, QUANTIZED_RHS))  # type: ignore[no-untyped-call]
-        # Delayed scaling: the history (for the gradient's scale) and the maxima observed.
-        seen = None if h is None else (h.grad, qa[2], qb[2])
-        return out, (*named, seen, rest)
-
-    def product_bwd(res: tuple[Any, ...], g: Any) -> tuple[Any, ...]:
-        a_res, b_res, seen, rest = res
-        # Each gradient is sharded as its operand (the residuals have the operands' types).
-        lhs_sharding = d_lhs.result_sharding(_array_of(a_res))
-        rhs_sharding = d_rhs.result_sharding(_array_of(b_res))
-        g = layout.masked(g, rest)
-        g_lhs = scheme.prepare(g, fmt["g"], d_lhs, 0, seed(d_lhs), rest,
-                               *(() if seen is None else (seen[0],)))
-        grad_lhs = scheme.contract(
-            d_lhs, g_lhs, scheme.prepare(b_res, fmt["rhs"], d_lhs, 1, None, rest), rest,
-            lhs_sharding, gemm)
-        if recipe.float8_weight_gradient:
-            at = d_rhs.operands.index("g")
-            g_rhs = g_lhs if scheme.reuses(g_lhs, d_rhs) else \
-                scheme.prepare(g, fmt["g"], d_rhs, at, seed(d_rhs), rest)
-            a_rhs = scheme.prepare(a_res, fmt["lhs"], d_rhs, 1 - at, None, rest)
-            grad_rhs = scheme.contract(d_rhs, *((g_rhs, a_rhs) if at == 0 else (a_rhs, g_rhs)),
-                                       rest, rhs_sharding, gemm)
-        else:  # as the matmul class's backward products: compute-dtype operands and result
-            named = {"g": convert(g, compute), "lhs": convert(a_res, compute)}
-            left, right = (named[n] for n in d_rhs.operands)
-            grad_rhs = d_rhs.dot(left, right, rest, rhs_sharding,
-                                 preferred_element_type=compute)
-        observed = None if seen is None else AmaxHistory(
-            *(observation(m, seen[0]) for m in (seen[1], seen[2], g_lhs[2])))
-        return (convert(d_lhs.arranged(grad_lhs), lhs_dtype),
-                convert(d_rhs.arranged(grad_rhs), rhs_dtype), observed, *(None for _ in rest))
-
+    rules = _Rules(layout_of(eqn, jnp.ndim(lhs), jnp.ndim(rhs)), recipe, _scheme(recipe, eqn),
+                   {"lhs": operand_formats[0], "rhs": operand_formats[1], "g": recipe.bwd_dtype},
+                   compute, (dtype_of(lhs), dtype_of(rhs)))
+    what = _description(eqn, recipe, lhs, rhs)
     name = recipe.scaling if recipe.blocks else "float8"
-    product.__name__ = f"{name}_{eqn.primitive.name}"
-    kind = "block-scaled" if recipe.blocks else "float8"  # NVFP4's values are not float8
-    what = (f"autocast's {recipe.scaling} {kind} product ({eqn.primitive.name} of "
-            f"{_shape(lhs)} and {_shape(rhs)}{_scope(eqn)})")
-    first_order = _first_order_only(what)
-
-    def guarded_fwd(a: Any, b: Any, h: Optional[AmaxHistory],
-                    *rest: Any) -> tuple[Any, tuple[Any, ...]]:
-        return product_fwd(first_order(a), first_order(b), h, *rest)
-
-    def guarded_bwd(res: tuple[Any, ...], g: Any) -> tuple[Any, ...]:
-        return product_bwd(res, first_order(g))
-
-    custom = jax.custom_vjp(product)
-    custom.defvjp(guarded_fwd, guarded_bwd)
+    custom = _custom_vjp(rules, f"{name}_{eqn.primitive.name}", what)
     if _forward_mode(lhs, rhs):  # said here: under jit, JAX would say it when compiling
         raise ForwardModeError(_forward_mode_message(what))
     try:
@@ -328,6 +148,169 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
         if _JAX_NO_JVP not in str(e):
             raise
         raise ForwardModeError(_forward_mode_message(what)) from e
+
+
+def _scheme(recipe: Float8Recipe, eqn: JaxprEqn) -> Scheme:
+    """The scheme of ``recipe``'s products. Block products run native or emulated, as
+    `native_block_products` decides when tracing, from the backend; ragged ones have no
+    native product in JAX."""
+    if recipe.blocks:
+        return BlockScaled(recipe, native_block_products(recipe) and eqn.primitive.name != RAGGED)
+    return Float8(recipe)
+
+
+def _custom_vjp(rules: _Rules, name: str, what: str) -> Any:
+    """The product of ``rules`` as a ``custom_vjp`` function named ``name``, whose rules
+    raise `ForwardModeError` (naming the product as ``what``) when differentiated."""
+    first_order = _first_order_only(what)
+
+    def product(a: Any, b: Any, h: Optional[AmaxHistory], *rest: Any) -> Any:
+        return rules.product(a, b, h, rest)
+
+    def guarded_fwd(a: Any, b: Any, h: Optional[AmaxHistory],
+                    *rest: Any) -> tuple[Any, tuple[Any, ...]]:
+        return rules.product_fwd(first_order(a), first_order(b), h, rest)
+
+    def guarded_bwd(res: tuple[Any, ...], g: Any) -> tuple[Any, ...]:
+        return rules.product_bwd(res, first_order(g))
+
+    product.__name__ = name
+    custom = jax.custom_vjp(product)
+    custom.defvjp(guarded_fwd, guarded_bwd)
+    return custom
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Rules:
+    """The forward and backward rules of one quantized product.
+
+    They run whenever the product is differentiated, possibly after the trace that
+    made them: they keep the equation's layout, the recipe, its scheme and the
+    dtypes, never a traced value.
+
+    Attributes:
+      layout: the product's three contractions.
+      recipe: the recipe it runs.
+      scheme: how the recipe quantizes and multiplies operands.
+      formats: the format of each named operand (``"lhs"``, ``"rhs"``, ``"g"``).
+      compute: the dtype of the product's result.
+      dtypes: the dtypes of (lhs, rhs), which their gradients take.
+    """
+
+    layout: Layout
+    recipe: Float8Recipe
+    scheme: Scheme
+    formats: dict[str, DType]
+    compute: DType
+    dtypes: tuple[DType, DType]
+
+    @property
+    def gemm(self) -> DType:
+        return _gemm_dtype(self.compute)
+
+    def product(self, a: Any, b: Any, h: Optional[AmaxHistory], rest: Sequence[Any]) -> Any:
+        """The product, undifferentiated."""
+        a, qa, qb = self._quantized(a, b, h, rest)
+        return self._forward(a, qa, qb, rest)
+
+    def product_fwd(self, a: Any, b: Any, h: Optional[AmaxHistory],
+                    rest: Sequence[Any]) -> tuple[Any, tuple[Any, ...]]:
+        """The product, and what the backward rule takes: each operand's residual (named
+        for ``jax.checkpoint``), the maxima seen (delayed scaling) and ``rest``."""
+        a, qa, qb = self._quantized(a, b, h, rest)
+        qb, a_res, b_res = self._residuals(a, b, qa, qb, rest)
+        out = self._forward(a, qa, qb, rest)
+        named = (checkpoint_name(a_res, QUANTIZED_LHS),  # type: ignore[no-untyped-call]
+                 checkpoint_name(b_res, QUANTIZED_RHS))  # type: ignore[no-untyped-call]
+        # Delayed scaling: the history (for the gradient's scale) and the maxima observed.
+        seen = None if h is None else (h.grad, qa[2], qb[2])
+        return out, (*named, seen, rest)
+
+    def product_bwd(self, res: tuple[Any, ...], g: Any) -> tuple[Any, ...]:
+        """The gradients of (lhs, rhs, history, *rest) for incoming gradient ``g``."""
+        a_res, b_res, seen, rest = res
+        d_lhs, d_rhs = self.layout.lhs_gradient, self.layout.rhs_gradient
+        # Each gradient is sharded as its operand (the residuals have the operands' types).
+        lhs_sharding = d_lhs.result_sharding(_array_of(a_res))
+        rhs_sharding = d_rhs.result_sharding(_array_of(b_res))
+        g = self.layout.masked(g, rest)
+        g_lhs = self.scheme.prepare(g, self.formats["g"], d_lhs, 0, self._seed(d_lhs), rest,
+                                    *(() if seen is None else (seen[0],)))
+        b_lhs = self.scheme.prepare(b_res, self.formats["rhs"], d_lhs, 1, None, rest)
+        grad_lhs = self.scheme.contract(d_lhs, g_lhs, b_lhs, rest, lhs_sharding, self.gemm)
+        grad_rhs = self._rhs_gradient(g, g_lhs, a_res, rest, rhs_sharding)
+        observed = None if seen is None else AmaxHistory(
+            *(observation(m, seen[0]) for m in (seen[1], seen[2], g_lhs[2])))
+        return (convert(d_lhs.arranged(grad_lhs), self.dtypes[0]),
+                convert(d_rhs.arranged(grad_rhs), self.dtypes[1]), observed,
+                *(None for _ in rest))
+
+    def _quantized(self, a: Any, b: Any, h: Optional[AmaxHistory],
+                   rest: Sequence[Any]) -> tuple[Any, Any, Any]:
+        """``a`` as the contractions take it, and both operands prepared for the forward
+        contraction (scaled from ``h`` if given)."""
+        fwd = self.layout.forward
+        a = self.layout.masked(a, rest)
+        qa = self.scheme.prepare(a, self.formats["lhs"], fwd, 0, None, rest, *_of(h, "lhs"))
+        qb = self.scheme.prepare(b, self.formats["rhs"], fwd, 1, None, rest, *_of(h, "rhs"))
+        return a, qa, qb
+
+    def _residuals(self, a: Any, b: Any, qa: Any, qb: Any,
+                   rest: Sequence[Any]) -> tuple[Any, Any, Any]:
+        """``(qb, a_res, b_res)``: what the forward pass keeps of each operand for the
+        backward contraction that takes it, and ``qb`` made together with ``b_res``
+        where that is a new quantization."""
+        d_lhs, d_rhs = self.layout.lhs_gradient, self.layout.rhs_gradient
+        a_res = (self.scheme.keep(a, qa, self.formats["lhs"], d_rhs,
+                                  d_rhs.operands.index("lhs"), rest)
+                 if self.recipe.float8_weight_gradient else a)
+        b_res = self.scheme.keep(b, qb, self.formats["rhs"], d_lhs, 1, rest)
+        if b_res is not qb:
+            # Quantized again for the backward contraction (rowwise, block scalings):
+            # made with the forward operand, or it waits for the backward pass and
+            # keeps the float32 weight alive past its update (XLA then copies a donated
+            # weight). Tying the left operand's too costs more than it saves.
+            qb, b_res = _made_together((qb, b_res))
+        return qb, a_res, b_res
+
+    def _forward(self, a: Any, qa: Any, qb: Any, rest: Sequence[Any]) -> Any:
+        """The forward contraction of prepared ``qa`` and ``qb``, in the compute dtype."""
+        fwd = self.layout.forward
+        out = self.scheme.contract(fwd, qa, qb, rest, fwd.result_sharding(a), self.gemm)
+        return _narrowed(out, self.compute)
+
+    def _rhs_gradient(self, g: Any, g_lhs: Any, a_res: Any, rest: Sequence[Any],
+                      sharding: Optional[NamedSharding]) -> jax.Array:
+        """rhs's gradient, before its transpose: quantized as lhs's (``g`` prepared once
+        for both where the scheme allows), or with ``recipe.float8_weight_gradient`` off as
+        the matmul class's backward products: compute-dtype operands and result."""
+        d_rhs = self.layout.rhs_gradient
+        if not self.recipe.float8_weight_gradient:
+            named = {"g": convert(g, self.compute), "lhs": convert(a_res, self.compute)}
+            left, right = (named[n] for n in d_rhs.operands)
+            return d_rhs.dot(left, right, rest, sharding, preferred_element_type=self.compute)
+        at = d_rhs.operands.index("g")
+        g_rhs = g_lhs if self.scheme.reuses(g_lhs, d_rhs) else \
+            self.scheme.prepare(g, self.formats["g"], d_rhs, at, self._seed(d_rhs), rest)
+        a_rhs = self.scheme.prepare(a_res, self.formats["lhs"], d_rhs, 1 - at, None, rest)
+        operands = (g_rhs, a_rhs) if at == 0 else (a_rhs, g_rhs)
+        return self.scheme.contract(d_rhs, *operands, rest, sharding, self.gemm)
+
+    def _seed(self, c: Contraction) -> Optional[jax.Array]:
+        """The seed of ``g``'s stochastic rounding for backward contraction ``c``, if the
+        recipe rounds so. Fixed, the values salting the bits: the salt tells apart the
+        two backward contractions' roundings of ``g``."""
+        if not self.recipe.stochastic_rounding:
+            return None
+        salt = 1 if c is self.layout.lhs_gradient else 2
+        return jnp.asarray(np.array([salt, _SEED_WORD], np.uint32))
+
+
+def _description(eqn: JaxprEqn, recipe: Float8Recipe, lhs: Any, rhs: Any) -> str:
+    """The product as errors name it: recipe, primitive, operands and scope."""
+    kind = "block-scaled" if recipe.blocks else "float8"  # NVFP4's values are not float8
+    return (f"autocast's {recipe.scaling} {kind} product ({eqn.primitive.name} of "
+            f"{_shape(lhs)} and {_shape(rhs)}{_scope(eqn)})")
 
 
 class ForwardModeError(TypeError):
@@ -436,72 +419,3 @@ def _array_of(residual: Any) -> Any:
     values of a quantized (or deferred) one."""
     return residual[0] if isinstance(residual, tuple) else residual
 
-
-# --- Where each axis of a dense product goes -----------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class DenseAxes:
-    """The axes of ``dot_general(lhs, rhs)``; its output is (batch, lhs free, rhs free)."""
-
-    lhs_contract: tuple[int, ...]
-    rhs_contract: tuple[int, ...]
-    lhs_batch: tuple[int, ...]
-    rhs_batch: tuple[int, ...]
-    lhs_free: tuple[int, ...]
-    rhs_free: tuple[int, ...]
-
-    @classmethod
-    def of(cls, dims: Any, lhs_ndim: int, rhs_ndim: int) -> DenseAxes:
-        (lc, rc), (lb, rb) = dims
-        return cls(tuple(lc), tuple(rc), tuple(lb), tuple(rb),
-                   _free(lhs_ndim, lc, lb), _free(rhs_ndim, rc, rb))
-
-    @property
-    def out_batch(self) -> tuple[int, ...]:
-        return tuple(range(len(self.lhs_batch)))
-
-    @property
-    def out_lhs_free(self) -> tuple[int, ...]:
-        start = len(self.lhs_batch)
-        return tuple(range(start, start + len(self.lhs_free)))
-
-    @property
-    def out_rhs_free(self) -> tuple[int, ...]:
-        start = len(self.lhs_batch) + len(self.lhs_free)
-        return tuple(range(start, start + len(self.rhs_free)))
-
-    def lhs_gradient(self) -> tuple[Any, tuple[int, ...]]:
-        """``dot_general(g, rhs)`` dimension numbers giving lhs's gradient, and its transpose.
-
-        The product's axes are (batch, lhs free, rhs's contracting axes in
-        increasing order); the permutation puts them in lhs's order.
-        """
-        dims = ((self.out_rhs_free, self.rhs_free), (self.out_batch, self.rhs_batch))
-        return dims, _gradient_axes(self.lhs_batch, self.lhs_free, self.lhs_contract,
-                                    self.rhs_contract)
-
-    def rhs_gradient(self) -> tuple[Any, tuple[int, ...]]:
-        """``dot_general(g, lhs)`` dimension numbers giving rhs's gradient, and its transpose."""
-        dims = ((self.out_lhs_free, self.lhs_free), (self.out_batch, self.lhs_batch))
-        return dims, _gradient_axes(self.rhs_batch, self.rhs_free, self.rhs_contract,
-                                    self.lhs_contract)
-
-
-def _free(ndim: int, contract: Sequence[int], batch: Sequence[int]) -> tuple[int, ...]:
-    return tuple(i for i in range(ndim) if i not in contract and i not in batch)
-
-
-def _gradient_axes(batch: Sequence[int], free: Sequence[int], contract: Sequence[int],
-                   other_contract: Sequence[int]) -> tuple[int, ...]:
-    """For each operand axis, its axis in a gradient product laid out as
-    (batch, free, the other operand's contracting axes in increasing order)."""
-    ndim = len(batch) + len(free) + len(contract)
-    rest = sorted(other_contract)
-    position = {}
-    for i, a in enumerate(batch):
-        position[a] = i
-    for i, a in enumerate(free):
-        position[a] = len(batch) + i
-    for a, b in zip(contract, other_contract):
-        position[a] = len(batch) + len(free) + rest.index(b)
-    return tuple(position[a] for a in range(ndim))

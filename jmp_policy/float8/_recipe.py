@@ -8,11 +8,15 @@ inspector) agree:
   argument into one;
 * `eligible` says whether a ``dot_general`` (or mixture-of-experts
   ``ragged_dot_general``) equation runs in float8 (`why_not_float8` says why
-  not), and `operand_dtypes` which format each of its operands takes.
+  not), `operand_dtypes` which format each of its operands takes, and
+  `native_block_products` whether a block scaling's products run as the
+  backend's native GEMM.
 
->>> import jmp_policy
->>> jmp_policy.Float8Recipe("rowwise").scaling
-'rowwise'
+>>> import jax, jax.numpy as jnp, jmp_policy
+>>> recipe = jmp_policy.Float8Recipe("rowwise", min_size=64)
+>>> eqn = jax.make_jaxpr(jnp.matmul)(jnp.ones((128, 32)), jnp.ones((32, 128))).eqns[0]
+>>> eligible(recipe, eqn, "mlp"), why_not_float8(recipe, eqn, "mlp")
+(False, "its sizes (M=128, K=32, N=128) are below the recipe's min_size=64")
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from jax.extend.core import JaxprEqn
 
 from jmp_policy.dtypes import is_floating_dtype
 from jmp_policy.float8 import _blocks
-from jmp_policy.paths import is_backward as is_backward  # jmp_policy.float8 exports it
+from jmp_policy.float8._axes import free_axes
+from jmp_policy.paths import is_backward
 from jmp_policy.paths import scope_names
 
 Scaling = Literal["tensorwise", "rowwise", "delayed", "mxfp8", "nvfp4"]
@@ -47,9 +52,6 @@ _DEFAULT_DTYPES = {
     "mxfp8": (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e4m3fn)),
     "nvfp4": (_blocks.E2M1, _blocks.E2M1),
 }
-
-_F32 = np.dtype(np.float32)
-
 
 @dataclasses.dataclass(frozen=True)
 class Float8Recipe:
@@ -103,9 +105,9 @@ class Float8Recipe:
       float8_weight_gradient: whether the backward product giving the
         gradient of a product's right operand (the weight in ``x @ w`` and in
         Flax's ``Dense``), a sum over all tokens, runs in float8 too; if not,
-        it runs in the compute dtype. On by default: keeping it out of
-        float8 made no measurable difference to training, and all three
-        products of a layer in float8 is where the speed is. Applies to
+        it runs in the compute dtype. On by default: all three products of a
+        layer in float8 is where the speed is (docs/fp8.md compares training
+        with it on and off). Applies to
         products that autocast differentiates (``jax.grad`` of an autocast
         function).
       stochastic_rounding: round the incoming gradients of the backward
@@ -151,12 +153,10 @@ class Float8Recipe:
     scaling: Scaling = "tensorwise"
     fwd_dtype: Any = None  # None: the scaling's default (_DEFAULT_DTYPES)
     bwd_dtype: Any = None
-    # Provisional: the smallest size float8 tensor-core GEMMs take (multiples of 16);
-    # benchmarks/gpu_fp8.py measures where float8 stops paying off on a GPU.
+    # The smallest size float8 tensor-core GEMMs take (multiples of 16).
     min_size: int = 16
     exclude: Union[str, Sequence[str]] = DEFAULT_EXCLUDE
     batched: bool = True
-    # Both chosen by measurement (docs/fp8.md): see the attribute documentation above.
     power_of_two_scales: bool = False
     float8_weight_gradient: bool = True
     stochastic_rounding: Optional[bool] = None  # None: on for "nvfp4" only
@@ -322,39 +322,6 @@ RAGGED = "ragged_dot_general"
 by group, times their group's matrix of rhs ``[g, k, n]``."""
 
 
-def _dimension_numbers(eqn: JaxprEqn) -> Any:
-    """``((lhs contracting, rhs contracting), (lhs batch, rhs batch))`` of a product."""
-    if eqn.primitive.name == RAGGED:
-        return eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
-    return eqn.params["dimension_numbers"]
-
-
-def contracting_axes(eqn: JaxprEqn) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The contracting axes of a ``dot_general`` (or ``ragged_dot_general``) equation's
-    (lhs, rhs)."""
-    (lc, rc), _ = _dimension_numbers(eqn)
-    return tuple(lc), tuple(rc)
-
-
-def product_sizes(eqn: JaxprEqn) -> tuple[int, int, int]:
-    """``(m, k, n)`` of a ``dot_general``: non-contracting, contracting, non-contracting sizes.
-
-    Each is the product of those dimensions' sizes, batch dimensions (and the
-    group dimension of a ragged product's rhs) aside.
-    """
-    lhs, rhs = (_aval(v).shape for v in eqn.invars[:2])
-    (lc, rc), (lb, rb) = _dimension_numbers(eqn)
-    groups = eqn.params["ragged_dot_dimension_numbers"].rhs_group_dimensions \
-        if eqn.primitive.name == RAGGED else ()
-    m = math.prod(d for i, d in enumerate(lhs) if i not in lc and i not in lb)
-    n = math.prod(d for i, d in enumerate(rhs) if i not in (*rc, *rb, *groups))
-    return m, math.prod(lhs[i] for i in lc), n
-
-
-def _aval(var: Any) -> Any:
-    return var.aval
-
-
 def eligible(recipe: Float8Recipe, eqn: JaxprEqn, scope: str) -> bool:
     """True when ``recipe`` runs ``eqn``, found under the name-scope path ``scope``, in float8.
 
@@ -388,6 +355,32 @@ def why_not_float8(recipe: Float8Recipe, eqn: JaxprEqn, scope: str) -> Optional[
         return (f"its scope {scope!r} matches the recipe's exclude (an output layer); "
                 "Float8Recipe(exclude=()) puts it in float8")
     return None
+
+
+def _dimension_numbers(eqn: JaxprEqn) -> Any:
+    """``((lhs contracting, rhs contracting), (lhs batch, rhs batch))`` of a product."""
+    if eqn.primitive.name == RAGGED:
+        return eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
+    return eqn.params["dimension_numbers"]
+
+
+def product_sizes(eqn: JaxprEqn) -> tuple[int, int, int]:
+    """``(m, k, n)`` of a ``dot_general``: non-contracting, contracting, non-contracting sizes.
+
+    Each is the product of those dimensions' sizes, batch dimensions (and the
+    group dimension of a ragged product's rhs) aside.
+    """
+    lhs, rhs = (_aval(v).shape for v in eqn.invars[:2])
+    (lc, rc), (lb, rb) = _dimension_numbers(eqn)
+    groups = eqn.params["ragged_dot_dimension_numbers"].rhs_group_dimensions \
+        if eqn.primitive.name == RAGGED else ()
+    m = math.prod(lhs[i] for i in free_axes(len(lhs), lc, lb))
+    n = math.prod(rhs[i] for i in free_axes(len(rhs), rc, (*rb, *groups)))
+    return m, math.prod(lhs[i] for i in lc), n
+
+
+def _aval(var: Any) -> Any:
+    return var.aval
 
 
 def is_plain_ragged(eqn: JaxprEqn) -> bool:

@@ -1,15 +1,12 @@
-"""Autocast's float8 rule, and the current-scaled float8 scheme of its products.
+"""The current- and delayed-scaled float8 scheme of quantized products: `Float8`.
 
-`float8_matmul` makes a ``Context.matmul`` rule from a `Float8Recipe`. A
-product that the recipe leaves alone (see ``_fp8.eligible``) goes to the
-default `matmul` rule. An eligible ``dot_general`` or mixture-of-experts
-``ragged_dot_general`` becomes ``_product.quantized_product`` with the
-recipe's scheme: `Float8` for tensorwise and rowwise scaling (here), or
-``_block_matmul.Blocks`` for MXFP8 and NVFP4. With `Float8`, each operand is
-quantized with current scaling (``_fp8.quantize``) and goes straight into a
-``dot_general`` of float8 operands that accumulates in float32 and gives bfloat16
-under a bfloat16 policy (half the bytes; ``_product._gemm_dtype``); the result is
-rescaled in float32 and returned in the compute dtype, as the matmul class returns it.
+With ``"tensorwise"``, ``"rowwise"`` and ``"delayed"`` recipes,
+``_product.quantized_product`` quantizes each operand of each contraction to
+float8 with one scale per tensor, or per row along the axes the contraction keeps
+(``_quantize``: from the operand's current maximum, or from its amax history), and
+multiplies the float8 values in one ``dot_general`` that accumulates in float32 and
+gives bfloat16 under a bfloat16 policy (half the bytes; ``_product._gemm_dtype``).
+The result is rescaled in float32, by the two operands' scales laid out against it.
 
 >>> import jax, jax.numpy as jnp, jmp_policy
 >>> f = jmp_policy.autocast(lambda x, w: x @ w, "mixed_bfloat16", fp8="tensorwise")
@@ -31,12 +28,16 @@ from jax.experimental import layout as xla_layout
 from jax.sharding import NamedSharding
 
 from jmp_policy import sharding as _sharding
-from jmp_policy.float8._recipe import (
-    Float8Recipe,
-)
-from jmp_policy.float8._quantize import group_ids, quantize, quantize_delayed, quantize_groups
 from jmp_policy.dtypes import F32, DType
-from jmp_policy.float8._product import Contraction, DenseAxes
+from jmp_policy.float8._axes import DenseAxes, OperandAxes
+from jmp_policy.float8._layout import Contraction
+from jmp_policy.float8._quantize import (
+    group_ids,
+    quantize,
+    quantize_delayed,
+    quantize_groups,
+)
+from jmp_policy.float8._recipe import Float8Recipe
 
 Quantized = tuple[jax.Array, jax.Array]
 """A float8 operand and its float32 scale, as `quantize` returns them."""
@@ -94,7 +95,7 @@ class Float8:
         return _rescaled_rows(out, left[1], lax.squeeze(right[1], c.axes[1]), rest[0])
 
 
-# --- Rescaling ---------------------------------------------------------------------------------
+# --- A weight's layout ------------------------------------------------------------------------
 
 def _in_own_layout(values: jax.Array) -> jax.Array:
     """Float8 ``values`` laid out as the array they quantize (row-major), on GPUs.
@@ -104,8 +105,7 @@ def _in_own_layout(values: jax.Array) -> jax.Array:
     itself, XLA writes the cast in the forward GEMM's layout, reading the float32
     weight transposed, and transposes the float8 copy back for the backward GEMM: two
     transposing kernels. Pinned row-major, the cast is a plain elementwise kernel and
-    only the float8 copy is transposed, or both layouts come from one kernel
-    (benchmarks/results/roofline_layout_2026-11-28.md).
+    only the float8 copy is transposed, or both layouts come from one kernel.
     """
     if values.ndim < 2:
         return values
@@ -122,32 +122,31 @@ def _in_own_layout(values: jax.Array) -> jax.Array:
     return pinned
 
 
-def _to_output(scale: jax.Array, contract: Sequence[int], batch: Sequence[int],
-               free: Sequence[int], out_free: Sequence[int], out_shape: Sequence[int],
-               out_sharding: Optional[NamedSharding]) -> Any:
-    """An operand's scale (size 1 along its contracting axes) laid out against the output
-    (and, under explicit mesh axes, sharded as it: ``out_sharding``)."""
-    if math.prod(scale.shape) == 1:
-        return lax.reshape(scale, ())
-    kept = [a for a in range(scale.ndim) if a not in contract]
-    order = tuple(kept.index(a) for a in (*batch, *free))
-    squeezed = lax.squeeze(scale, tuple(contract))
-    if order != tuple(range(len(order))):  # batch axes after free ones, as in attention
-        squeezed = lax.transpose(squeezed, order)
-    return lax.broadcast_in_dim(squeezed, tuple(out_shape),
-                                tuple(range(len(batch))) + tuple(out_free),
-                                out_sharding=out_sharding)
-
+# --- Rescaling ---------------------------------------------------------------------------------
 
 def _scaled_product(a: Quantized, b: Quantized, axes: DenseAxes, out: jax.Array,
                     out_sharding: Optional[NamedSharding]) -> jax.Array:
     """``out``, the float32 product of float8 ``a`` and ``b``, times both operands' scales."""
     out_sharding = _sharding.explicit(out) if out_sharding is None else out_sharding
-    sa = _to_output(a[1], axes.lhs_contract, axes.lhs_batch, axes.lhs_free,
-                    axes.out_lhs_free, out.shape, out_sharding)
-    sb = _to_output(b[1], axes.rhs_contract, axes.rhs_batch, axes.rhs_free,
-                    axes.out_rhs_free, out.shape, out_sharding)
+    sa = _to_output(a[1], axes.lhs, out.shape, out_sharding)
+    sb = _to_output(b[1], axes.rhs, out.shape, out_sharding)
     return lax.mul(lax.mul(out, sa), sb)
+
+
+def _to_output(scale: jax.Array, axes: OperandAxes, out_shape: Sequence[int],
+               out_sharding: Optional[NamedSharding]) -> Any:
+    """An operand's scale (size 1 along its contracting axes) laid out against the output
+    (and, under explicit mesh axes, sharded as it: ``out_sharding``)."""
+    if math.prod(scale.shape) == 1:
+        return lax.reshape(scale, ())
+    kept = [a for a in range(scale.ndim) if a not in axes.contract]
+    order = tuple(kept.index(a) for a in (*axes.batch, *axes.free))
+    squeezed = lax.squeeze(scale, axes.contract)
+    if order != tuple(range(len(order))):  # batch axes after free ones, as in attention
+        squeezed = lax.transpose(squeezed, order)
+    return lax.broadcast_in_dim(squeezed, tuple(out_shape),
+                                tuple(range(len(axes.batch))) + axes.out_free,
+                                out_sharding=out_sharding)
 
 
 def _rescaled_rows(out: jax.Array, row_scale: jax.Array, group_scale: jax.Array,
