@@ -9,8 +9,8 @@ GEMMs, and has its own compile-time traps. Run the tier with the CUDA plugin ins
     python -m pytest -m xla_gpu -q tests/test_xla_gpu.py
 
 Without the plugin every test here skips. ``JMP_POLICY_XLA_GPU_FIGURES=<path>`` writes the
-figures the tests read (sites, roundings kept, GEMMs, compile times) to a JSON file
-(benchmarks/results/xla_gpu_tier.json holds them for the commits named there).
+figures the tests read (sites, roundings kept, GEMMs, compile times) to a JSON file, to
+compare two runs of the tier (a commit before a change and the tree after it).
 """
 
 from __future__ import annotations
@@ -278,8 +278,7 @@ def test_rowwise_compiles_about_as_fast_as_tensorwise(program):
     fraction of the compile. On an H100 the MLP train step took 233 s rowwise against
     5 s tensorwise. A deviceless compile runs XLA's HLO passes (constant folding
     among them) but not the autotuning of GEMMs, so this sees the first kind of cause
-    and not the second; on a GPU it sees both (`benchmarks/gpu_fp8_compile.py` tells
-    them apart).
+    and not the second; on a GPU it sees both.
     """
     build = {"mlp train step": _mlp_train_step, "summed product": _summed_product}[program]
     seconds: Dict[str, float] = {}
