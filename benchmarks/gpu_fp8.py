@@ -29,14 +29,13 @@ times say nothing about float8.
 
 Commands (from the repository root)::
 
-    python benchmarks/gpu_fp8.py                 # on an H100: ~3-5 min
-    python benchmarks/gpu_fp8.py --smoke         # anywhere, ~1 min on a CPU
+    python -m benchmarks.gpu_fp8                 # on an H100: ~3-5 min
+    python -m benchmarks.gpu_fp8 --smoke         # anywhere, ~1 min on a CPU
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from typing import Any, Callable, List, Optional
 
@@ -44,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import harness
+from benchmarks import harness
 import jmp_policy
 
 KINDS: tuple[Optional[str], ...] = (None, "tensorwise", "rowwise", "delayed")
@@ -125,11 +124,8 @@ def grad_step(kind: Optional[str]) -> Callable[..., Any]:
 
 
 def gemm_figures(build: harness.Build) -> dict:
-    """GEMM custom calls of the optimized HLO, and those on float8 operands."""
-    gemms = [line for line in build.compiled.as_text().splitlines()
-             if "custom-call(" in line
-             and re.search(r'custom_call_target="[^"]*(cublas|gemm)', line, re.I)]
-    return {"gemms": len(gemms), "f8_gemms": sum("f8" in g for g in gemms)}
+    """GEMMs of the optimized HLO, and those on float8 operands (`harness.gemm_counts`)."""
+    return harness.gemm_counts(build.compiled.as_text())
 
 
 MLP_COLUMNS = [

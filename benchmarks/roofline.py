@@ -48,8 +48,8 @@ does; JSON in ``benchmarks/results/roofline.json``.
 
 Commands (from the repository root; needs JAX's CUDA plugin, no GPU)::
 
-    PYTHONPATH=. /tmp/gpuvenv/bin/python benchmarks/roofline.py           # ~1 min
-    PYTHONPATH=. /tmp/gpuvenv/bin/python benchmarks/roofline.py --smoke   # tiny sizes
+    /tmp/gpuvenv/bin/python -m benchmarks.roofline           # ~1 min
+    /tmp/gpuvenv/bin/python -m benchmarks.roofline --smoke   # tiny sizes
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-import gpu_fp8  # noqa: E402
-import harness  # noqa: E402
+from benchmarks import gpu_fp8  # noqa: E402
+from benchmarks import harness  # noqa: E402
 import jmp_policy  # noqa: E402
 
 # --------------------------------------------------------------------------- #
@@ -105,128 +105,10 @@ class Machine:
 
 
 # --------------------------------------------------------------------------- #
-# Kernels of an optimized HLO module.
+# What each kernel does.
 # --------------------------------------------------------------------------- #
 
-# Top-level instructions that launch nothing (as harness.kernel_bytes skips them).
-FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all",
-        "opt-barrier", "partition-id", "replica-id", "while", "conditional", "call"}
-CUBLAS = re.compile(r'custom_call_target="(__cublas[^"]*)"')
-# A cuBLAS call's second result is its workspace, scratch memory rather than traffic.
-CALLED = re.compile(r"(?:body|condition|to_apply|true_computation|false_computation)="
-                    r"%?([\w.\-]+)")
-WORKSPACE = re.compile(r",?\s*s8\[\d+\]\{0\}\)$")
-
-
-@dataclasses.dataclass
-class Kernel:
-    """One launch: what it is, its GEMM FLOPs (0 for other kernels) and its bytes."""
-
-    name: str
-    opcode: str
-    shape: str
-    op_name: str            # the JAX operation it came from (HLO metadata)
-    bytes: float            # operands + result, as harness.kernel_bytes counts them
-    flops: float = 0.0
-    gemm_dtype: str = ""    # "f8", "bf16", "f32": the GEMM's operand type; "" if no GEMM
-    role: str = ""
-
-    @property
-    def is_gemm(self) -> bool:
-        return bool(self.gemm_dtype)
-
-
-def dims_of(shape: str) -> Tuple[str, List[int]]:
-    """``"f32[8,16]{1,0}"`` -> ``("f32", [8, 16])``; the first array of a tuple."""
-    m = re.search(r"([a-z][a-z0-9]*)\[([\d,]*)\]", shape)
-    return m.group(1), [int(d) for d in m.group(2).split(",") if d]
-
-
-def operand_type(dtype: str) -> str:
-    return "f8" if dtype.startswith("f8") else dtype
-
-
-def dot_flops(out_shape: str, lhs_shape: str, contracting: Sequence[int]) -> float:
-    """2 x output elements x contracted length: 2*M*N*K, batch dimensions included."""
-    _, out = dims_of(out_shape)
-    _, lhs = dims_of(lhs_shape)
-    return 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting)
-
-
-def cublas_gemm(inst: Any, shapes: Dict[str, str]) -> Tuple[float, str]:
-    """FLOPs and operand type of a cuBLAS(Lt) custom call, from its backend config."""
-    numbers = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.attributes)
-    contracting = [int(d) for d in re.findall(r"\d+", numbers.group(1))]
-    lhs = shapes[inst.operands[0]]
-    return (dot_flops(inst.shape, lhs, contracting),
-            operand_type(dims_of(lhs)[0]))
-
-
-def fused_gemm(inst: Any, bodies: Dict[str, List[Any]], shapes: Dict[str, str]
-               ) -> Tuple[float, str]:
-    """FLOPs and operand type of the ``dot`` s inside a fusion (a Triton GEMM), nested
-    fusions followed; (0, "") when it holds none."""
-    flops, dtype, todo = 0.0, "", re.findall(r"calls=%?([\w.\-]+)", inst.attributes)
-    while todo:
-        for i in bodies.get(todo.pop(), []):
-            todo += re.findall(r"calls=%?([\w.\-]+)", i.attributes) if i.opcode == "fusion" else []
-            if i.opcode != "dot":
-                continue
-            contracting = [int(d) for d in re.findall(
-                r"\d+", re.search(r"lhs_contracting_dims=\{([\d,]*)\}", i.attributes).group(1))]
-            lhs = shapes[i.operands[0]]
-            flops += dot_flops(i.shape, lhs, contracting)
-            dtype = operand_type(dims_of(lhs)[0])
-    return flops, dtype
-
-
-def launch_computations(instructions: Sequence[Any], text: str) -> set:
-    """The entry computation and the bodies of its loops, branches and calls: where
-    kernels are launched from (a reduction's ``to_apply`` region is no launch)."""
-    entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", text, re.M).group(1)
-    found, todo = set(), [entry]
-    by_computation = collections.defaultdict(list)
-    for i in instructions:
-        by_computation[i.computation].append(i)
-    while todo:
-        name = todo.pop()
-        if name in found:
-            continue
-        found.add(name)
-        for i in by_computation[name]:
-            if i.opcode in ("while", "conditional", "call"):
-                todo += CALLED.findall(i.attributes)
-                branches = re.search(r"branch_computations=\{([^}]*)\}", i.attributes)
-                todo += re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches else []
-    return found
-
-
-def kernels(text: str) -> List[Kernel]:
-    """Every kernel an optimized HLO module launches, with its FLOPs, bytes and role.
-    Loop bodies count once, as in `harness.kernel_bytes`."""
-    instructions = harness.parse_hlo(text)
-    shapes = {i.name: i.shape for i in instructions}
-    bodies = collections.defaultdict(list)
-    for i in instructions:
-        bodies[i.computation].append(i)
-    launching = launch_computations(instructions, text)
-    out = []
-    for i in instructions:
-        if i.computation not in launching or i.opcode in FREE:
-            continue
-        op_name = re.search(r'op_name="([^"]*)"', i.attributes)
-        target = CUBLAS.search(i.attributes) if i.opcode == "custom-call" else None
-        result = WORKSPACE.sub(")", i.shape) if target else i.shape
-        moved = harness.shape_bytes(result) + sum(harness.shape_bytes(shapes.get(o, ""))
-                                                  for o in i.operands)
-        k = Kernel(i.name, i.opcode, result, op_name.group(1) if op_name else "", moved)
-        if target:
-            k.flops, k.gemm_dtype = cublas_gemm(i, shapes)
-        elif i.opcode == "fusion":
-            k.flops, k.gemm_dtype = fused_gemm(i, bodies, shapes)
-        k.role = role(k)
-        out.append(k)
-    return out
+Kernel = harness.Kernel
 
 
 def role(k: Kernel) -> str:
@@ -326,8 +208,7 @@ def program(which: str, kind: Optional[str], size: dict) -> Tuple[Any, tuple, tu
 def compile_hlo(fn: Any, args: tuple, donate: tuple, sharding: Any,
                 options: Dict[str, Any]) -> str:
     """The optimized HLO of ``fn`` compiled for the target of ``sharding``."""
-    on = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)  # noqa: E731
-    lowered = jax.jit(fn, donate_argnums=donate).trace(*jax.tree.map(on, args)).lower()
+    lowered = jax.jit(fn, donate_argnums=donate).trace(*harness.on_target(args, sharding)).lower()
     return lowered.compile(options).as_text()
 
 
@@ -402,7 +283,7 @@ def roles(ks: Sequence[Kernel], m: Machine) -> List[Dict[str, Any]]:
     groups: Dict[str, List[Kernel]] = collections.defaultdict(list)
     for k in ks:
         if not k.is_gemm:
-            groups[k.role].append(k)
+            groups[role(k)].append(k)
     rows = [{"name": r, "figures": {"kernels": len(g), "bytes": sum(k.bytes for k in g),
                                      "time_s": sum(kernel_seconds(k, m) + m.launch_s for k in g)}}
             for r, g in groups.items()]
@@ -412,7 +293,7 @@ def roles(ks: Sequence[Kernel], m: Machine) -> List[Dict[str, Any]]:
 def largest(ks: Sequence[Kernel], m: Machine, n: int) -> List[Dict[str, Any]]:
     """The ``n`` non-GEMM kernels that move the most bytes."""
     top = sorted((k for k in ks if not k.is_gemm), key=lambda k: -k.bytes)[:n]
-    return [{"name": f"{k.name}: {k.role}", "note": f"{k.shape[:60]}; {k.op_name[-48:]}",
+    return [{"name": f"{k.name}: {role(k)}", "note": f"{k.shape[:60]}; {k.op_name[-48:]}",
              "figures": {"bytes": k.bytes, "time_s": kernel_seconds(k, m)}} for k in top]
 
 
@@ -454,7 +335,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"skipped {gpu_fp8.kind_name(kind)}: {e}", flush=True)
                 kinds.remove(kind)
                 continue
-            hlo[(which, kind)] = ks = kernels(text)
+            hlo[(which, kind)] = ks = harness.kernels(text)
             check_bytes(ks, text)
             print(f"compiled {which} {gpu_fp8.kind_name(kind)}: {len(ks)} kernels", flush=True)
     fitted = None
@@ -518,9 +399,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def check_bytes(ks: Sequence[Kernel], text: str) -> None:
-    """Our kernels' bytes are `harness.kernel_bytes` less cuBLAS's workspaces (and the
+    """The kernels' bytes are `harness.kernel_bytes` less cuBLAS's workspaces (and the
     scalar ops of reduction regions, which that sum counts as kernels)."""
-    workspaces = sum(float(n) for n in re.findall(r"s8\[(\d+)\]\{0\}\) custom-call", text))
+    workspaces = harness.cuda_workspace_bytes(text)
     total, ours = harness.kernel_bytes(text), sum(k.bytes for k in ks)
     assert abs(total - workspaces - ours) <= 1e-3 * total + 4096, (total, workspaces, ours)
 
