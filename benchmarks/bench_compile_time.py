@@ -35,8 +35,8 @@ target, each with its ratio to that library's Adam. ``--rounds N`` runs every
 before and after meet alike a load that drifts over minutes. Commands (from the
 repository root; ~25 min per round on 2 busy CPU cores)::
 
-    git worktree add /tmp/before-c 24aa08b
-    python -m benchmarks.bench_compile_time --before /tmp/before-c \
+    git worktree add /tmp/before <commit>
+    python -m benchmarks.bench_compile_time --before /tmp/before \
         --gpu-python /tmp/gpuvenv/bin/python
     python -m benchmarks.bench_compile_time --quick          # 24 leaves, CPU only, 1 rep
 
@@ -206,7 +206,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=16, help="transformer layers (6 leaves each)")
     parser.add_argument("--d", type=int, default=512, help="model width (16 layers of 512: "
-                        "50.4M parameters, the issue's H100 figures)")
+                        "50.4M parameters)")
     parser.add_argument("--reps", type=int, default=3, help="fresh compiles per recipe")
     parser.add_argument("--rounds", type=int, default=1,
                         help="times to run every (target, version) worker in turn, their "

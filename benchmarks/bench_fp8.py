@@ -28,9 +28,8 @@ Tables of the report (``benchmarks/results/bench_fp8.json``):
     seed, under its ``mixed_bfloat16`` module policy and with its ``apply``
     under ``autocast(..., "mixed_bfloat16", fp8=recipe)`` for each recipe
     variant behind the defaults: held-out bits per byte (the example's
-    metric: every window of the held-out text, the same for every seed; results
-    whose description does not say so, from before 2026-11-28, used one random
-    held-out batch per seed) and the mean training loss of the last
+    metric: every window of the held-out text, the same for every seed) and the
+    mean training loss of the last
     ``--tail`` steps, both in bits per byte, means over the seeds (per-seed
     values under ``samples``); ratios to ``mixed_bfloat16``. ``--runs``
     picks runs by name; ``--experts E`` trains the example's

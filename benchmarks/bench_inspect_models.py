@@ -18,13 +18,10 @@ transformer LM (``examples/transformer_lm.py``, default ``Config``). Per model,
   dynamic scale's first one (2**15); for the example LM, loss and
   gradients of its own ``mixed_float16`` step.
 
-The zoo's language models have one block since 2026-11-27, and its ViT one since
-2026-11-28 (each had two when the committed tables in ``benchmarks/results`` were
-measured; a run now measures one).
+The script uses the public API only, so it measures an older checkout's
+inspector too (before and after a change)::
 
-The script uses the public API only, so it measures an older checkout too
-(``PYTHONPATH=<old checkout> python -m benchmarks.bench_inspect_models``):
-the before/after table of the inspector's rewrite.
+    python -m benchmarks.harness run --library <old checkout> bench_inspect_models
 
 Commands (from the repository root; JSON to
 ``benchmarks/results/bench_inspect_models.json``)::

@@ -33,7 +33,7 @@ Commands (from the repository root; JSON to ``benchmarks/results/bench_loss_scal
     python -m benchmarks.bench_loss_scaling --quick         # smoke run (donated only), ~1 min
     python -m benchmarks.bench_loss_scaling --workload opt --params 8e6 --leaves 100
     python -m benchmarks.bench_loss_scaling --workload lm --lm-vocab 8192 --lm-width 512 \\
-        --lm-depth 4 --lm-heads 8 --lm-seq 256 --lm-batch 16   # the 16.8M-param LM of issue 18
+        --lm-depth 4 --lm-heads 8 --lm-seq 256 --lm-batch 16   # a 16.8M-parameter LM (GPU size)
 
 ``gpu_loss_scaling.py`` imports the workloads and recipes from here.
 """

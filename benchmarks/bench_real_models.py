@@ -10,10 +10,6 @@ gradient is finite; and, for ``mixed_float16`` with dynamic loss scaling,
 the skipped steps and the loss ratio after ``--steps`` jitted train steps of
 ``adam(3e-3)`` on the model's fixed batch.
 
-The zoo's language models have one block since 2026-11-27, and its ViT one since
-2026-11-28 (each had two when the committed tables in ``benchmarks/results`` were
-measured; a run now measures one).
-
 Commands (from the repository root; JSON to ``benchmarks/results/bench_real_models.json``)::
 
     python -m benchmarks.bench_real_models            # ~1 min on 2 CPU cores

@@ -1,7 +1,7 @@
 """XLA:GPU's memory account of the optimizer step, compiled for an H100 without one.
 
-XLA decides per backend which intermediate values it stores: XLA:CPU, our
-lab, rarely fuses one computation into several kernels' outputs, while
+XLA decides per backend which intermediate values it stores: XLA:CPU, where
+the other benchmarks run, rarely fuses one computation into several kernels' outputs, while
 XLA:GPU's multi-output fusion does, and its cost model may instead store a
 value that several kernels read. The temporaries and copies of an optimizer
 step on a GPU are therefore XLA:GPU's figures, not XLA:CPU's. This script

@@ -1,4 +1,4 @@
-"""Issue 18 on a GPU: where a loss-scaled, donated LM step loses time, and what wins it back.
+"""Loss scaling on a GPU: what it adds to a donated LM train step, where that time goes, what wins it back.
 
 Every figure comes from a donated train step (``donate_argnums=(0, 1)``;
 outputs fed back as inputs) of the float16 Flax LM of ``bench_loss_scaling.py``:
@@ -71,8 +71,7 @@ and ``--json`` under ``$OUT``, so that the report comes back::
 
 XLA's default turns command buffers (CUDA graphs) off while a profiler
 runs, so the default profile shows every kernel launched one by one; the
-``--profile-xla-flags`` run above shows the timed configuration. Nsight
-Systems was not usable on this workplace's GPU machines (2026-11).
+``--profile-xla-flags`` run above shows the timed configuration.
 """
 
 from __future__ import annotations
@@ -130,8 +129,8 @@ SMOKE_LMS = {"lm16": dict(vocab=256, width=32, depth=1, heads=2, seq=16, batch=2
 # XLA flag sets for the flags phase: name -> XLA_FLAGS ("default" sets nothing).
 # Command buffers are CUDA graphs. XLA's default captures fusions and library
 # calls but not conditionals: a lax.cond splits the graph, and XLA's
-# ConditionalThunk copies the predicate to the host to pick the branch (one
-# candidate cost of issue 18).
+# ConditionalThunk copies the predicate to the host to pick the branch (a
+# candidate cost of loss scaling's skip).
 FLAG_SETS = {
     "default": "",
     "cmdbuf+cond": "--xla_gpu_enable_command_buffer=+CONDITIONAL",

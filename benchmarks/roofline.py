@@ -1,14 +1,13 @@
-"""A roofline of the float8 GPU programs, from a deviceless H100 compile: where the step time goes.
+"""Where a float8 train step's time goes on an H100, predicted from a deviceless compile.
 
-Issue 36 asks where the time of ``gpu_fp8.py``'s float8 MLP block goes: on an
-H100 (2026-11-25) float8 saved ~1 ms of a ~10 ms step where its GEMMs alone
-should save ~4 ms. A GPU is not always at hand, so this script predicts a
-program's step time from its optimized H100 program, compiled without a GPU
-(JAX's ahead-of-time path, `harness.h100_sharding`), and checks the prediction
-against the H100's measurements before using it to say where the time goes.
+The programs are ``gpu_fp8.py``'s MLP block (its train step and its forward +
+backward; bfloat16 and each float8 recipe), compiled for an H100 without one
+(JAX's ahead-of-time path, `harness.h100_sharding`). From the optimized program
+a roofline model predicts each step's time, checks the prediction against
+step times measured on an H100 (`MEASURED`), and says which kernels take it.
 
-The model, per kernel of the optimized HLO (every top-level instruction that
-launches work, as `harness.kernel_bytes` counts them):
+The model, per kernel of the optimized HLO (`harness.kernels`: every top-level
+instruction that launches work):
 
 * a GEMM (a cuBLAS/cuBLASLt custom call, or a fusion holding a ``dot``, as a
   Triton GEMM): ``2 * M * N * K`` FLOPs (from its operands' shapes and dot
@@ -17,39 +16,38 @@ launches work, as `harness.kernel_bytes` counts them):
 * any other kernel: the bytes it reads and writes (operands and result, as
   `harness.kernel_bytes`) at the memory bandwidth; a kernel XLA emits as a
   transpose (the float8 casts that write a backward GEMM's transposed copy) at
-  ``transpose_efficiency`` of it, fitted on the H100's tensorwise train step
-  (``--fit-transpose-efficiency``; see
-  ``benchmarks/results/roofline_calibrated_2026-11-27.md``);
+  ``transpose_efficiency`` of it (``--fit-transpose-efficiency`` fits it on the
+  measured tensorwise train step);
 * every kernel, GEMMs included: a fixed launch overhead.
 
-The parameters (`Machine`) are figures measured on this workplace's H100s,
-not datasheet peaks: bfloat16 GEMMs at 798 TFLOP/s (an 8192^3 matrix product,
-`/work/.library/device/KINDS.md`), float8 at twice that (the datasheet's
-float8/bfloat16 ratio; not measured here), TF32 at half of it, 3.0 TB/s
-device-to-device counting bytes read and written, and 2.5 us per kernel (a
-CUDA launch plus the gap between kernels that XLA's stream leaves; not
-measured). ``gemm_efficiency`` scales both GEMM peaks (1.0 = the measured
-8192^3 rate); ``--fit-gemm-efficiency`` fits it on the bfloat16 train step
-(the only fitted figure, reported as such).
+The parameters (`Machine`) are figures measured on H100s where there is one,
+not datasheet peaks: bfloat16 GEMMs at 798 TFLOP/s (an 8192^3 matrix product),
+float8 at twice that (the datasheet's float8/bfloat16 ratio), TF32 at half of
+it, 3.0 TB/s device-to-device counting bytes read and written, and 2.5 us per
+kernel (a CUDA launch plus the gap between kernels that XLA's stream leaves;
+not measured). ``gemm_efficiency`` scales both GEMM peaks (1.0 = the 8192^3
+rate); ``--fit-gemm-efficiency`` fits it on the bfloat16 train step.
 
 A deviceless compile does not autotune: XLA makes every GEMM a Triton fusion
-with a default tiling. On the H100 the autotuner chose cuBLAS(Lt) for all six
-GEMMs of every case (``gpu_fp8.log``), so by default the programs are compiled
-with Triton GEMMs off (``xla_gpu_enable_triton_gemm=false``), which is what
-XLA does when cuBLAS wins; ``--triton-gemm`` keeps XLA's defaults. The H100's
-run used jax 0.11.2 and the CUDA 13 plugin; this compile uses whatever JAX the
-environment has (0.10.2 and CUDA 12 in /tmp/gpuvenv): its fusion decisions
-may differ a little.
+with a default tiling. On an H100 the autotuner chooses cuBLAS(Lt) for all six
+GEMMs of every case (``results/h100.md``), so by default the programs are
+compiled with Triton GEMMs off (``xla_gpu_enable_triton_gemm=false``), which is
+what XLA does when cuBLAS wins; ``--triton-gemm`` keeps XLA's defaults. The
+compile uses the environment's JAX and CUDA plugin, whose fusion decisions may
+differ a little from those of the JAX the H100 ran.
 
-Output: a markdown table per program (GEMM FLOPs, float8 share, bytes of GEMM
-and other kernels, kernels, predicted time by term, the H100's measured time
-and the error) and the largest non-GEMM kernels per float8 case, what each
-does; JSON in ``benchmarks/results/roofline.json``.
+Output: a table per program (GEMM FLOPs, float8 share, bytes of GEMM and other
+kernels, kernels, predicted time by term, the H100's measured time and the
+error) and, per recipe, the non-GEMM kernels by role and the largest ones;
+JSON in ``benchmarks/results/roofline.json``.
 
 Commands (from the repository root; needs JAX's CUDA plugin, no GPU)::
 
     /tmp/gpuvenv/bin/python -m benchmarks.roofline           # ~1 min
     /tmp/gpuvenv/bin/python -m benchmarks.roofline --smoke   # tiny sizes
+    # the validation: the library the H100 ran (MEASURED_LIBRARY), with the fit
+    /tmp/gpuvenv/bin/python -m benchmarks.harness run --library <its checkout> \
+        roofline --fit-transpose-efficiency --json benchmarks/results/roofline_validation.json
 """
 
 from __future__ import annotations
@@ -94,9 +92,9 @@ class Machine:
     launch_s: float = 2.5e-6        # per kernel: launch and inter-kernel gap
     gemm_efficiency: float = 1.0    # achieved / peak GEMM rate at these shapes
     # Achieved / `bandwidth` of kernels that transpose (the float8 casts writing the
-    # transposed copy a backward GEMM needs: 1-byte elements). Fitted on the H100's
-    # tensorwise train step of 2026-11-25 (`--fit-transpose-efficiency` with the library
-    # it ran, commit 6df0195); at 1.0 the model missed that step by 18%.
+    # transposed copy a backward GEMM needs: 1-byte elements): `--fit-transpose-efficiency`
+    # on the measured tensorwise train step, with MEASURED_LIBRARY
+    # (results/roofline_validation.json).
     transpose_efficiency: float = 0.395
 
     def gemm_rate(self, dtype: str) -> float:
@@ -185,11 +183,13 @@ def predict(ks: Sequence[Kernel], m: Machine) -> Dict[str, float]:
 # The programs: gpu_fp8's MLP block, compiled for an H100.
 # --------------------------------------------------------------------------- #
 
-# The H100's step times of 2026-11-25 (benchmarks/results/h100_2026-11-25/gpu_fp8.log),
-# by (program, recipe): what the model must predict within TOLERANCE to be trusted.
+# Step times measured on an H100 by gpu_fp8.py (benchmarks/results/h100.md, the run of
+# 2026-11-25), by (program, recipe): what the model must predict within TOLERANCE to be
+# trusted. They hold for the library that H100 ran, MEASURED_LIBRARY.
 MEASURED = {("train", None): 11.1e-3, ("train", "tensorwise"): 10.1e-3,
             ("train", "rowwise"): 9.48e-3, ("grad", None): 10.2e-3,
             ("grad", "tensorwise"): 8.85e-3, ("grad", "rowwise"): 8.25e-3}
+MEASURED_LIBRARY = "6df0195"
 TOLERANCE = 0.15
 PROGRAMS = {"train": "MLP block train step (AdamW)", "grad": "MLP block forward + backward"}
 
@@ -314,7 +314,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="achieved / full bandwidth of transposing kernels (1.0: none lost)")
     parser.add_argument("--fit-transpose-efficiency", action="store_true",
                         help="fit it on the tensorwise train step's H100 time; meaningful only "
-                             "with the library the H100 ran (PYTHONPATH=<checkout of 6df0195>)")
+                             f"with the library the H100 ran ({MEASURED_LIBRARY}: python -m "
+                             "benchmarks.harness run --library <its checkout> roofline ...)")
     parser.add_argument("--top", type=int, default=8, help="largest non-GEMM kernels listed")
     parser.add_argument("--json", help="write the report here (default: "
                         "benchmarks/results/roofline.json; roofline.quick.json with --smoke)")
@@ -382,15 +383,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         report.note(f"transpose efficiency fitted on the tensorwise train step: "
                     f"{fitted_transpose:.3f}")
     report.note(f"library: {inspect.getfile(jmp_policy)}. The H100 times are those of the library "
-                "of 2026-11-25 (commit 6df0195): the errors validate the model only when "
-                "that library is the one compiled (PYTHONPATH=<its checkout>)")
+                f"at commit {MEASURED_LIBRARY}: the errors validate the model only when "
+                "that library is the one compiled (python -m benchmarks.harness run --library)")
     errors = [r["figures"]["error_pct"] for t in report.tables[:2] for r in t.rows
               if r["figures"].get("error_pct") is not None]
     if errors:
         worst = max(abs(e) for e in errors)
-        report.note(f"largest error against the H100 of 2026-11-25: {worst:.1f}% "
+        report.note(f"largest error against the H100's times: {worst:.1f}% "
                     f"({'within' if worst <= 100 * TOLERANCE else 'NOT within'} "
-                    f"{TOLERANCE:.0%}; a validation only with that day's library)")
+                    f"{TOLERANCE:.0%}; a validation only with library {MEASURED_LIBRARY})")
     print("\n".join(out + [""] + [f"- {n}" for n in report.notes]), flush=True)
     path = a.json or harness.default_json_path("roofline", a.smoke)
     report.write(path)
