@@ -210,7 +210,7 @@ def test_every_eligible_product_is_a_float8_gemm(recipe):
 
     A deviceless compile cannot autotune, so XLA:GPU makes every GEMM a Triton fusion
     with a default tiling; on an H100 the autotuner chose cuBLASLt for all of them
-    (benchmarks/results/h100_2026-11-25.md). Both are checked: with Triton GEMMs off
+    (benchmarks/results/h100.md, 2026-11-25). Both are checked: with Triton GEMMs off
     (what XLA does when cuBLAS wins), ``__cublas$lt$matmul$f8`` calls, the rewrite whose
     pattern (float8 operands, scales as its operands) a recipe can miss, falling back to
     a bfloat16 GEMM; by default, GEMMs on float8 operands. No GEMM of another kind.
@@ -311,7 +311,7 @@ def test_a_parameter_adds_to_the_h100_step_a_few_times_what_adam_adds(name):
     """The HLO instructions one more parameter adds to an optimizer step's H100 program,
     against plain Adam's (as tests/test_optimizer_size.py for XLA:CPU). XLA:GPU's
     priority fusion, the longest pass here, takes a time about proportional to them
-    (benchmarks/results/compile_time_2026-11-27.md)."""
+    (benchmarks/results/compile_time.md)."""
     from compiled_kernels import instructions_per_leaf
 
     def compile(step: Callable[..., Any], *args: Any) -> str:
@@ -412,7 +412,7 @@ def test_each_float8_weight_is_transposed_once(kind):
     kernel per weight writes its float8 values (XLA:GPU names such kernels
     ``*transpose*``). Left to itself, XLA cast each weight in the forward GEMM's layout
     (reading the float32 weight transposed) and transposed the float8 values back: two
-    per weight (benchmarks/results/roofline_layout_2026-11-28.md)."""
+    per weight (benchmarks/results/roofline.md, 2026-11-28)."""
     fn, args = _mlp_train_step(kind)
     traced = jax.jit(fn, donate_argnums=(0, 1)).trace(*xla_gpu.on_h100(args))
     text, _ = xla_gpu.compile_traced(traced, {"xla_gpu_enable_triton_gemm": False})
