@@ -47,6 +47,16 @@ Commands (from the repository root)::
     python -m benchmarks.bench_fp8 --training --steps 300 --tail 100 --seeds 0 1 --experts 4 \
         --runs mixed_bfloat16 tensorwise rowwise mxfp8 nvfp4 \
         --json benchmarks/results/bench_fp8_training_moe.json
+    python -m benchmarks.bench_fp8 --training --steps 300 --tail 100 --seeds 0 1 \
+        --runs mixed_bfloat16 "nvfp4, batched=False" \
+        --json benchmarks/results/bench_fp8_training_nvfp4_batched.json
+    # delayed scaling against the current scalings (five seeds), and its variants:
+    python -m benchmarks.bench_fp8 --training --seeds 0 1 2 3 4 \
+        --runs mixed_bfloat16 tensorwise rowwise delayed \
+        --json benchmarks/results/bench_fp8_training_delayed.json
+    python -m benchmarks.bench_fp8 --training --seeds 0 1 2 3 4 \
+        --runs "delayed, history 16" "delayed, most recent" \
+        --json benchmarks/results/bench_fp8_training_delayed_variants.json
 """
 
 from __future__ import annotations
