@@ -153,7 +153,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    harness.load_file("tests/real_models.py")  # before the tests, which import it
+    harness.load_file("tests/real_models.py")  # first: the tests importorskip it
     tests = harness.load_file("tests/test_real_models_autocast.py")
     names = ["nnx_bn_mlp", "linen_lm"] if args.quick else sorted(tests.rm.MODELS)
     steps = 2 if args.quick else args.steps

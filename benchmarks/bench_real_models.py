@@ -44,7 +44,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    harness.load_file("tests/real_models.py")  # before the tests, which import it
+    harness.load_file("tests/real_models.py")  # first: the tests importorskip it
     tests = harness.load_file("tests/test_real_models_autocast.py")
     names = ["linen_lm", "eqx_vit"] if args.quick else tests.NAMES
     steps = 3 if args.quick else args.steps
