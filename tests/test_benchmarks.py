@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import subprocess
 import sys
 
 import jax
@@ -111,6 +112,27 @@ ENTRY %main (a: f32[4], t: (f32[4], s32[])) -> f32[4] {
     assert harness.kernel_bytes(int4) == 112 - 16 + 2 - 16 + 2   # int4: half a byte
 
 
+def test_a_report_names_the_script_as_a_module(harness, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [os.path.join(BENCHMARKS, "bench_policy.py"), "--quick"])
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert harness.command_line() == "python -m benchmarks.bench_policy --quick"
+
+
+def test_a_child_process_imports_the_library_it_is_given(harness, tmp_path):
+    """``run_child(..., library=...)``: that checkout's jmp_policy, this checkout's
+    benchmarks (whatever the other checkout holds), whichever directory Python starts in."""
+    other = tmp_path / "checkout"
+    (other / "jmp_policy").mkdir(parents=True)
+    (other / "jmp_policy" / "__init__.py").write_text("WHERE = 'other'\n")
+    (other / "benchmarks").mkdir()
+    (other / "benchmarks" / "__init__.py").write_text("")
+    code = "import benchmarks, jmp_policy; print(jmp_policy.WHERE, benchmarks.__file__)"
+    with harness.child_environment(str(other)) as (env, _):
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(other),
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "other" and os.path.dirname(out[1]) == BENCHMARKS
+
+
 def test_scripts_use_the_public_api_and_leave_sys_path_alone():
     for name in sorted(os.listdir(BENCHMARKS)):
         if not name.endswith(".py"):
@@ -176,7 +198,6 @@ def _requires_cuda_plugin(test):
 def test_roofline_smoke_run(tmp_path):
     """``roofline.py --smoke`` compiles gpu_fp8's MLP block for an H100 (no GPU) and
     reports six GEMMs per program, all float8 under a float8 recipe."""
-    import subprocess
 
     out = tmp_path / "roofline.json"
     root = os.path.dirname(BENCHMARKS)
