@@ -67,7 +67,7 @@ def h100() -> Any:
 
 def on_h100(tree: Any) -> Any:
     """``jax.ShapeDtypeStruct`` s of ``tree`` 's arrays (or of its specs), on the H100."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h100()), tree)
+    return harness.on_target(tree, h100())
 
 
 @contextlib.contextmanager
