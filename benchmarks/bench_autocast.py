@@ -19,9 +19,9 @@ time of a step (on a CPU indicative only: half precision is emulated there).
 
 Commands (from the repository root; JSON to ``benchmarks/results/bench_autocast.json``)::
 
-    python benchmarks/bench_autocast.py                      # ~1-2 min on 2 CPU cores
-    python benchmarks/bench_autocast.py --quick              # smoke run, ~20 s
-    python benchmarks/bench_autocast.py --width 256 --compile-rounds 7
+    python -m benchmarks.bench_autocast                      # ~1-2 min on 2 CPU cores
+    python -m benchmarks.bench_autocast --quick              # smoke run, ~20 s
+    python -m benchmarks.bench_autocast --width 256 --compile-rounds 7
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import numpy as np
 import optax
 from jax import lax
 
-import harness
+from benchmarks import harness
 import jmp_policy
 
 F16 = jnp.float16

@@ -17,8 +17,8 @@ emulated: eager figures include that; trace figures do not depend on it.
 
 Commands (from the repository root; JSON to ``benchmarks/results/bench_autocast_trace.json``)::
 
-    python benchmarks/bench_autocast_trace.py            # ~1-2 min on 2 CPU cores
-    python benchmarks/bench_autocast_trace.py --quick    # a smoke run on a tiny LM
+    python -m benchmarks.bench_autocast_trace            # ~1-2 min on 2 CPU cores
+    python -m benchmarks.bench_autocast_trace --quick    # a smoke run on a tiny LM
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import bench_inspect
-import harness
+from benchmarks import harness
 import jmp_policy
 
 POLICY = "mixed_bfloat16"
@@ -58,7 +57,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     harness.add_common_arguments(parser, rounds=7, iters=1, compile_rounds=1)
     args = parser.parse_args(argv)
-    lm = bench_inspect.load_lm()
+    lm = harness.load_file("examples/transformer_lm.py")
     config = lm.Config(d_model=16, heads=2, layers=1, seq_len=16, batch_size=4) if args.quick \
         else lm.Config()
     rounds = 2 if args.quick else args.rounds

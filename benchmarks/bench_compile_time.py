@@ -35,10 +35,10 @@ target, each with its ratio to that library's Adam. ``--rounds N`` runs every
 before and after meet alike a load that drifts over minutes. Commands (from the
 repository root; ~25 min per round on 2 busy CPU cores)::
 
-    git worktree add /tmp/before-c 24aa08b
-    python benchmarks/bench_compile_time.py --before /tmp/before-c \
+    git worktree add /tmp/before <commit>
+    python -m benchmarks.bench_compile_time --before /tmp/before \
         --gpu-python /tmp/gpuvenv/bin/python
-    python benchmarks/bench_compile_time.py --quick          # 24 leaves, CPU only, 1 rep
+    python -m benchmarks.bench_compile_time --quick          # 24 leaves, CPU only, 1 rep
 
 ``--train-step`` compiles what a user compiles instead: the gradient of a
 transformer's loss over those leaves (pre-RMSNorm attention and GELU MLP blocks,
@@ -52,17 +52,12 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import math
 import os
-import re
-import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(BENCHMARKS)
 RECIPES = ["adam", "adam, bf16 moments", "adam, 8-bit moments", "adam, 4-bit moments",
            "kahan", "stochastic", "split"]
 TARGETS = ("cpu", "cpu-fast", "h100")
@@ -123,7 +118,7 @@ def worker(target: str, layers: int, d: int, reps: int, tokens: int = 0) -> Dict
     import jax.numpy as jnp
     import optax
 
-    import harness
+    from benchmarks import harness
     import jmp_policy
 
     sharding, kind = (harness.gpu_target() if target == "h100"
@@ -154,7 +149,8 @@ def worker(target: str, layers: int, d: int, reps: int, tokens: int = 0) -> Dict
     on_device = harness.callbacks_on_device if target == "h100" else contextlib.nullcontext
     if target != "h100":
         harness.warm_up_compiler()
-    out: Dict[str, Any] = {"kind": kind, "library": os.path.dirname(inspect.getfile(jmp_policy)),
+    out: Dict[str, Any] = {"kind": kind,
+                           "library": os.path.dirname(os.path.realpath(inspect.getfile(jmp_policy))),
                            "rows": {r: {"compile_s": [], "compile_cpu_s": [], "lower_s": []}
                                     for r in RECIPES}}
     for rep in range(reps):
@@ -173,7 +169,7 @@ def worker(target: str, layers: int, d: int, reps: int, tokens: int = 0) -> Dict
             row["compile_cpu_s"].append(c2 - c1)
             if rep == 0:
                 text = compiled.as_text()
-                row.update(leaves=leaves, kernels=len(re.findall(r" fusion\(", text)),
+                row.update(leaves=leaves, kernels=harness.hlo_figures(text)["fusions"],
                            distinct=harness.distinct_kernels(text),
                            instructions=len(harness.parse_hlo(text)))
                 small_step, small_args, small_leaves = steps[recipe][max(1, layers // 4)]
@@ -191,27 +187,26 @@ def worker(target: str, layers: int, d: int, reps: int, tokens: int = 0) -> Dict
     return out
 
 
-def run_worker(python: str, library: str, target: str, args: Any) -> Dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([library, BENCHMARKS]))
-    env.pop("XLA_FLAGS", None)
-    if target == "cpu-fast":
-        env["XLA_FLAGS"] = FAST_FLAGS
+def run_worker(python: str, library: Optional[str], target: str, args: Any) -> Dict[str, Any]:
+    """`worker` in a process of its own: its XLA flags, and ``library`` 's jmp_policy
+    (None: this checkout's)."""
+    from benchmarks import harness
+
+    env: Dict[str, Optional[str]] = {"XLA_FLAGS": FAST_FLAGS if target == "cpu-fast" else None}
     if target != "h100":
         env["JAX_PLATFORMS"] = "cpu"
-    command = [python, os.path.abspath(__file__), "--worker", target, "--layers", str(args.layers),
-               "--d", str(args.d), "--reps", str(args.reps),
-               "--tokens", str(args.tokens if args.train_step else 0)]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{target} ({library}): {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return harness.run_child(
+        "bench_compile_time", ["--worker", target, "--layers", str(args.layers), "--d",
+                               str(args.d), "--reps", str(args.reps),
+                               "--tokens", str(args.tokens if args.train_step else 0)],
+        python=python, library=library, env=env)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=16, help="transformer layers (6 leaves each)")
     parser.add_argument("--d", type=int, default=512, help="model width (16 layers of 512: "
-                        "50.4M parameters, the issue's H100 figures)")
+                        "50.4M parameters)")
     parser.add_argument("--reps", type=int, default=3, help="fresh compiles per recipe")
     parser.add_argument("--rounds", type=int, default=1,
                         help="times to run every (target, version) worker in turn, their "
@@ -230,22 +225,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--worker", choices=TARGETS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.layers, args.d, args.reps, args.tokens)))
+        result = worker(args.worker, args.layers, args.d, args.reps, args.tokens)
+        from benchmarks import harness
+        harness.child_result(result)
         return 0
     if args.quick:
         args.layers, args.reps, args.targets = 4, 1, "cpu"
-    import harness
+    from benchmarks import harness
 
-    versions = [("before", os.path.abspath(args.before))] if args.before else []
-    versions.append(("after", REPO))
+    versions: List[Tuple[str, Optional[str]]] = [("before", os.path.abspath(args.before))] \
+        if args.before else []
+    versions.append(("after", None))
     targets = args.targets.split(",")
     results: Dict[str, Dict[str, Any]] = {}
     for round_ in range(args.rounds):
         for target in targets:
             for version, library in versions:
                 python = args.gpu_python if target == "h100" else sys.executable
-                print(f"{target}, {version} ({library}), round {round_ + 1}", file=sys.stderr,
-                      flush=True)
+                print(f"{target}, {version} ({library or 'this checkout'}), round {round_ + 1}",
+                      file=sys.stderr, flush=True)
                 result = run_worker(python, library, target, args)
                 pooled = results.setdefault(f"{target} {version}", result)
                 if pooled is not result:

@@ -28,9 +28,8 @@ Tables of the report (``benchmarks/results/bench_fp8.json``):
     seed, under its ``mixed_bfloat16`` module policy and with its ``apply``
     under ``autocast(..., "mixed_bfloat16", fp8=recipe)`` for each recipe
     variant behind the defaults: held-out bits per byte (the example's
-    metric: every window of the held-out text, the same for every seed; results
-    whose description does not say so, from before 2026-11-28, used one random
-    held-out batch per seed) and the mean training loss of the last
+    metric: every window of the held-out text, the same for every seed) and the
+    mean training loss of the last
     ``--tail`` steps, both in bits per byte, means over the seeds (per-seed
     values under ``samples``); ratios to ``mixed_bfloat16``. ``--runs``
     picks runs by name; ``--experts E`` trains the example's
@@ -38,24 +37,32 @@ Tables of the report (``benchmarks/results/bench_fp8.json``):
 
 Commands (from the repository root)::
 
-    python benchmarks/bench_fp8.py                          # accuracy + compile, ~2 min
-    python benchmarks/bench_fp8.py --training               # ~45 min on 2 busy CPU cores
-    python benchmarks/bench_fp8.py --quick                  # smoke run, ~30 s
+    python -m benchmarks.bench_fp8                          # accuracy + compile, ~2 min
+    python -m benchmarks.bench_fp8 --training               # ~45 min on 2 busy CPU cores
+    python -m benchmarks.bench_fp8 --quick                  # smoke run, ~30 s
     # the block-scaled recipes' training tables (docs/fp8.md), ~15 min each:
-    python benchmarks/bench_fp8.py --training --steps 300 --tail 100 --seeds 0 1 \
+    python -m benchmarks.bench_fp8 --training --steps 300 --tail 100 --seeds 0 1 \
         --runs mixed_bfloat16 tensorwise rowwise mxfp8 nvfp4 "nvfp4, round to nearest" \
         --json benchmarks/results/bench_fp8_training_blocks.json
-    python benchmarks/bench_fp8.py --training --steps 300 --tail 100 --seeds 0 1 --experts 4 \
+    python -m benchmarks.bench_fp8 --training --steps 300 --tail 100 --seeds 0 1 --experts 4 \
         --runs mixed_bfloat16 tensorwise rowwise mxfp8 nvfp4 \
         --json benchmarks/results/bench_fp8_training_moe.json
+    python -m benchmarks.bench_fp8 --training --steps 300 --tail 100 --seeds 0 1 \
+        --runs mixed_bfloat16 "nvfp4, batched=False" \
+        --json benchmarks/results/bench_fp8_training_nvfp4_batched.json
+    # delayed scaling against the current scalings (five seeds), and its variants:
+    python -m benchmarks.bench_fp8 --training --seeds 0 1 2 3 4 \
+        --runs mixed_bfloat16 tensorwise rowwise delayed \
+        --json benchmarks/results/bench_fp8_training_delayed.json
+    python -m benchmarks.bench_fp8 --training --seeds 0 1 2 3 4 \
+        --runs "delayed, history 16" "delayed, most recent" \
+        --json benchmarks/results/bench_fp8_training_delayed_variants.json
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
-import os
 import sys
 from typing import Any, Callable, List, Optional
 
@@ -64,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import harness
+from benchmarks import harness
 import jmp_policy
 
 R = jmp_policy.Float8Recipe
@@ -235,18 +242,6 @@ def compile_cost(report: harness.Report, a: argparse.Namespace) -> None:
 
 # --- training ------------------------------------------------------------------------------
 
-def load_example() -> Any:
-    """``examples/transformer_lm.py``, loaded by path."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples",
-                        "transformer_lm.py")
-    spec = importlib.util.spec_from_file_location("transformer_lm", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 TRAINING_COLUMNS = [
     harness.Column("held_out_bpb", "held-out loss", "bits/byte"),
     harness.Column("train_bpb", "training loss, last steps", "bits/byte"),
@@ -254,7 +249,7 @@ TRAINING_COLUMNS = [
 
 
 def training(report: harness.Report, a: argparse.Namespace, path: str) -> None:
-    lm = load_example()
+    lm = harness.load_file("examples/transformer_lm.py")
     text = lm.load_text()
     config = lm.Config(experts=a.experts) if not a.quick else lm.Config(
         d_model=16, heads=1, layers=1, seq_len=16, experts=a.experts)

@@ -20,9 +20,9 @@ ratios, not the absolute times, are the figures to read.
 
 Commands (from the repository root; JSON to ``benchmarks/results/bench_inspect.json``)::
 
-    python benchmarks/bench_inspect.py            # ~3-5 min on 2 CPU cores
-    python benchmarks/bench_inspect.py --quick    # a smoke run on a tiny LM
-    python benchmarks/bench_inspect.py --config d_model=512 heads=8 layers=4 seq_len=256
+    python -m benchmarks.bench_inspect            # ~3-5 min on 2 CPU cores
+    python -m benchmarks.bench_inspect --quick    # a smoke run on a tiny LM
+    python -m benchmarks.bench_inspect --config d_model=512 heads=8 layers=4 seq_len=256
                                                   # a GPU-sized LM (on a GPU)
 """
 
@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
-import os
 import statistics
 import sys
 import time
@@ -41,21 +39,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import harness
+from benchmarks import harness
 import jmp_policy
-
-EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples",
-                       "transformer_lm.py")
-
-
-def load_lm() -> Any:
-    spec = importlib.util.spec_from_file_location("transformer_lm", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # flax modules are dataclasses: they look their module up
-    spec.loader.exec_module(module)
-    return module
-
 
 def lm_problem(lm: Any, config: Any) -> tuple[Callable[..., Any], Any, Any, Any, Any]:
     """The example LM's loss ``loss_fn(params, tokens)`` (float32 logits, as the example's
@@ -80,7 +65,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="override fields of the example's Config, e.g. d_model=512 "
                              "layers=4 (a GPU-sized LM)")
     args = parser.parse_args(argv)
-    lm = load_lm()
+    lm = harness.load_file("examples/transformer_lm.py")
     config = lm.Config(d_model=16, heads=2, layers=1, seq_len=16, batch_size=4) if args.quick \
         else lm.Config()
     overrides = {k: int(v) for k, v in (item.split("=", 1) for item in args.config)}

@@ -18,19 +18,16 @@ transformer LM (``examples/transformer_lm.py``, default ``Config``). Per model,
   dynamic scale's first one (2**15); for the example LM, loss and
   gradients of its own ``mixed_float16`` step.
 
-The zoo's language models have one block since 2026-11-27, and its ViT one since
-2026-11-28 (each had two when the committed tables in ``benchmarks/results`` were
-measured; a run now measures one).
+The script uses the public API only, so it measures an older checkout's
+inspector too (before and after a change)::
 
-The script uses the public API only, so it measures an older checkout too
-(``PYTHONPATH=<old checkout> python benchmarks/bench_inspect_models.py``):
-the before/after table of the inspector's rewrite.
+    python -m benchmarks.harness run --library <old checkout> bench_inspect_models
 
 Commands (from the repository root; JSON to
 ``benchmarks/results/bench_inspect_models.json``)::
 
-    python benchmarks/bench_inspect_models.py            # ~3 min on 2 CPU cores
-    python benchmarks/bench_inspect_models.py --quick    # two models, 2 steps
+    python -m benchmarks.bench_inspect_models            # ~3 min on 2 CPU cores
+    python -m benchmarks.bench_inspect_models --quick    # two models, 2 steps
 """
 
 from __future__ import annotations
@@ -47,9 +44,8 @@ from typing import Any, Callable, Dict, List, Optional
 import jax
 import optax
 
-import bench_inspect
-import bench_real_models
-import harness
+from benchmarks import bench_inspect
+from benchmarks import harness
 import jmp_policy
 
 COLUMNS = [
@@ -121,7 +117,7 @@ def zoo_model(tests: Any, name: str, steps: int) -> Dict[str, Any]:
 
 
 def example_lm(tests: Any, steps: int) -> Dict[str, Any]:
-    lm = bench_inspect.load_lm()
+    lm = harness.load_file("examples/transformer_lm.py")
     loss_fn, train_step, params, opt_state, tokens = bench_inspect.lm_problem(lm, lm.Config())
     _, step = timed(lambda: jax.jit(train_step.__wrapped__)(params, opt_state, tokens))
     inspector = jmp_policy.inspect_numerics(loss_fn, "mixed_float16", argnums=0)
@@ -157,8 +153,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    bench_real_models.load("real_models")
-    tests = bench_real_models.load("test_real_models_autocast")
+    harness.load_file("tests/real_models.py")  # first: the tests importorskip it
+    tests = harness.load_file("tests/test_real_models_autocast.py")
     names = ["nnx_bn_mlp", "linen_lm"] if args.quick else sorted(tests.rm.MODELS)
     steps = 2 if args.quick else args.steps
     report = harness.Report("bench_inspect_models", __doc__.split("\n")[0],

@@ -29,11 +29,11 @@ conditional's branch), compile time, wall time per step, temp memory.
 
 Commands (from the repository root; JSON to ``benchmarks/results/bench_loss_scaling.json``)::
 
-    python benchmarks/bench_loss_scaling.py                 # full run, ~6-10 min on 2 CPU cores
-    python benchmarks/bench_loss_scaling.py --quick         # smoke run (donated only), ~1 min
-    python benchmarks/bench_loss_scaling.py --workload opt --params 8e6 --leaves 100
-    python benchmarks/bench_loss_scaling.py --workload lm --lm-vocab 8192 --lm-width 512 \\
-        --lm-depth 4 --lm-heads 8 --lm-seq 256 --lm-batch 16   # the 16.8M-param LM of issue 18
+    python -m benchmarks.bench_loss_scaling                 # full run, ~6-10 min on 2 CPU cores
+    python -m benchmarks.bench_loss_scaling --quick         # smoke run (donated only), ~1 min
+    python -m benchmarks.bench_loss_scaling --workload opt --params 8e6 --leaves 100
+    python -m benchmarks.bench_loss_scaling --workload lm --lm-vocab 8192 --lm-width 512 \\
+        --lm-depth 4 --lm-heads 8 --lm-seq 256 --lm-batch 16   # a 16.8M-parameter LM (GPU size)
 
 ``gpu_loss_scaling.py`` imports the workloads and recipes from here.
 """
@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import harness
+from benchmarks import harness
 import jmp_policy
 
 SCALE = 2.0**15

@@ -35,12 +35,12 @@ except in the classes the table lists.
 
 Commands (from the repository root; JSON to ``benchmarks/results/bench_low_precision.json``)::
 
-    python benchmarks/bench_low_precision.py                 # ~3-5 min on 2 CPU cores
-    python benchmarks/bench_low_precision.py --quick         # smoke run, ~1 min
-    python benchmarks/bench_low_precision.py --exhaustive    # + the 2**32 pairs
-    python benchmarks/bench_low_precision.py --size gpu      # the GPU sizes (default on a GPU)
+    python -m benchmarks.bench_low_precision                 # ~3-5 min on 2 CPU cores
+    python -m benchmarks.bench_low_precision --quick         # smoke run, ~1 min
+    python -m benchmarks.bench_low_precision --exhaustive    # + the 2**32 pairs
+    python -m benchmarks.bench_low_precision --size gpu      # the GPU sizes (default on a GPU)
     # the LM at the GPU size (101.8M parameters), XLA's figures only: ~5 min on a CPU
-    python benchmarks/bench_low_precision.py --size gpu --workloads train --no-wall \
+    python -m benchmarks.bench_low_precision --size gpu --workloads train --no-wall \
         --json benchmarks/results/bench_low_precision_lm_gpu_size.json
 """
 
@@ -48,9 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import math
-import os
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -60,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import harness
+from benchmarks import harness
 import jmp_policy
 
 BF16 = jnp.bfloat16
@@ -187,20 +185,8 @@ def opt_cases(n_params: float) -> List[harness.Case]:
 # The transformer LM's train step.
 # --------------------------------------------------------------------------- #
 
-def load_example(name: str) -> Any:
-    """``examples/<name>.py`` as a module (it is a script, not part of the package)."""
-    module_name = f"_example_{name}"
-    if module_name not in sys.modules:
-        path = os.path.join(harness.REPO, "examples", f"{name}.py")
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # flax modules are dataclasses: they look it up
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
-
-
 def lm_cases(size: Dict[str, int]) -> List[harness.Case]:
-    lm = load_example("transformer_lm")
+    lm = harness.load_file("examples/transformer_lm.py")
     config = lm.Config(**size)
     model = lm.TransformerLM(config)
     batch = jnp.asarray(next(lm.batches(lm.load_text(), config, seed=0)))

@@ -14,9 +14,9 @@
 Commands (from the repository root; JSON to ``benchmarks/results/bench_policy.json``;
 needs the ``bench`` extra for jmp)::
 
-    python benchmarks/bench_policy.py                  # ~30 s on 2 CPU cores
-    python benchmarks/bench_policy.py --quick          # smoke run, ~10 s
-    python benchmarks/bench_policy.py --leaves 1000 --rounds 20
+    python -m benchmarks.bench_policy                  # ~30 s on 2 CPU cores
+    python -m benchmarks.bench_policy --quick          # smoke run, ~10 s
+    python -m benchmarks.bench_policy --leaves 1000 --rounds 20
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import harness
+from benchmarks import harness
 import jmp_policy
 
 POLICY = "params=float32,compute=float16,output=float32"

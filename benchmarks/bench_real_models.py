@@ -10,44 +10,24 @@ gradient is finite; and, for ``mixed_float16`` with dynamic loss scaling,
 the skipped steps and the loss ratio after ``--steps`` jitted train steps of
 ``adam(3e-3)`` on the model's fixed batch.
 
-The zoo's language models have one block since 2026-11-27, and its ViT one since
-2026-11-28 (each had two when the committed tables in ``benchmarks/results`` were
-measured; a run now measures one).
-
 Commands (from the repository root; JSON to ``benchmarks/results/bench_real_models.json``)::
 
-    python benchmarks/bench_real_models.py            # ~1 min on 2 CPU cores
-    python benchmarks/bench_real_models.py --quick    # two models, 3 steps
+    python -m benchmarks.bench_real_models            # ~1 min on 2 CPU cores
+    python -m benchmarks.bench_real_models --quick    # two models, 3 steps
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
 import sys
 import warnings
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import numpy as np
 import optax
 
-import harness
+from benchmarks import harness
 import jmp_policy
-
-TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests")
-
-
-def load(name: str) -> Any:
-    """A module of ``tests/`` by path, registered under its name (so that the test module's
-    ``importorskip("real_models")`` finds the zoo loaded first)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(TESTS, f"{name}.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 COLUMNS = [
     harness.Column("loss_error", "loss error", "", ratio=False),
@@ -64,8 +44,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    load("real_models")
-    tests = load("test_real_models_autocast")
+    harness.load_file("tests/real_models.py")  # first: the tests importorskip it
+    tests = harness.load_file("tests/test_real_models_autocast.py")
     names = ["linen_lm", "eqx_vit"] if args.quick else tests.NAMES
     steps = 3 if args.quick else args.steps
     report = harness.Report("bench_real_models", __doc__.split("\n")[0],

@@ -1,7 +1,7 @@
 """XLA:GPU's memory account of the optimizer step, compiled for an H100 without one.
 
-XLA decides per backend which intermediate values it stores: XLA:CPU, our
-lab, rarely fuses one computation into several kernels' outputs, while
+XLA decides per backend which intermediate values it stores: XLA:CPU, where
+the other benchmarks run, rarely fuses one computation into several kernels' outputs, while
 XLA:GPU's multi-output fusion does, and its cost model may instead store a
 value that several kernels read. The temporaries and copies of an optimizer
 step on a GPU are therefore XLA:GPU's figures, not XLA:CPU's. This script
@@ -26,9 +26,9 @@ Without a GPU, in a virtual environment of its own (the CUDA wheels are
 about 4 GB; no driver needed), from the repository root::
 
     python -m venv /tmp/gpuvenv && /tmp/gpuvenv/bin/pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')" optax
-    PYTHONPATH=. /tmp/gpuvenv/bin/python benchmarks/bench_xla_gpu_memory.py
+    /tmp/gpuvenv/bin/python -m benchmarks.bench_xla_gpu_memory
     # bench_low_precision's GPU size (100.7M parameters in 48 leaves), ~10 min:
-    PYTHONPATH=. /tmp/gpuvenv/bin/python benchmarks/bench_xla_gpu_memory.py --params 1e8 \
+    /tmp/gpuvenv/bin/python -m benchmarks.bench_xla_gpu_memory --params 1e8 \
         --json benchmarks/results/bench_xla_gpu_memory_100m.json
 
 JSON to ``benchmarks/results/bench_xla_gpu_memory.json``.
@@ -51,9 +51,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-import harness  # noqa: E402
+from benchmarks import harness  # noqa: E402
 import jmp_policy  # noqa: E402
-from bench_low_precision import RECIPES, transformer_shapes  # noqa: E402
+from benchmarks.bench_low_precision import RECIPES, transformer_shapes  # noqa: E402
 
 COLUMNS = [
     harness.Column("temp_per_leaf", "temporaries (largest f32 leaves)", "x", ratio=False),
@@ -78,8 +78,7 @@ def optimizers() -> List[Tuple[str, Any, optax.GradientTransformation]]:
 
 def figures(tx: optax.GradientTransformation, params: Any, sharding: Any,
             donate: Tuple[int, ...]) -> Dict[str, Any]:
-    on_target = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)  # noqa: E731
-    state = jax.tree.map(on_target, jax.eval_shape(tx.init, params))
+    state = harness.on_target(jax.eval_shape(tx.init, params), sharding)
 
     def step(params: Any, state: Any, grads: Any) -> Any:
         updates, state = tx.update(grads, state, params)

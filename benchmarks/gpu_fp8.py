@@ -11,11 +11,10 @@ Everything is measured against the same function under
     sequence 1024): its train step with AdamW (params and optimizer state
     donated and fed back) and its forward + backward alone, in bfloat16 and
     with ``fp8="tensorwise"`` / ``"rowwise"`` / ``"delayed"`` (scales from amax
-    histories, `jmp_policy.float8_state`, recorded every step). Target: float8 at least 1.3x
-    faster per step. ``f8_gemms`` / ``gemms``: cuBLAS(Lt) GEMM custom calls of
-    the optimized HLO whose target or operand types name ``f8`` (XLA's
-    ``__cublas$lt$matmul$f8``), of all GEMM custom calls: each of the
-    block's six products (two forward, four backward) should be one.
+    histories, `jmp_policy.float8_state`, recorded every step). ``f8_gemms`` /
+    ``gemms``: the GEMMs of the optimized HLO on float8 operands, of all its
+    GEMMs (`harness.gemm_counts`: cuBLAS(Lt) calls, Triton GEMM fusions): each of
+    the block's six products (two forward, four backward) should be one.
 ``sweep``
     Forward + backward of one product ``x @ w`` with x of 8192 x s
     ("tokens") or s x s ("square") and w of s x s, for growing s, float8
@@ -23,20 +22,19 @@ Everything is measured against the same function under
     ``suggested_min_size`` is the smallest swept s from which every float8
     case is faster than bfloat16, for ``Float8Recipe.min_size``.
 
-On a CPU (``--smoke``: tiny sizes, to check the script runs) the GEMM counts
-are 0 (XLA:CPU converts float8 operands to float32 around its dots) and the
+On a CPU (``--smoke``: tiny sizes, to check the script runs) no GEMM is on
+float8 operands (XLA:CPU converts them to float32 around its dots) and the
 times say nothing about float8.
 
 Commands (from the repository root)::
 
-    python benchmarks/gpu_fp8.py                 # on an H100: ~3-5 min
-    python benchmarks/gpu_fp8.py --smoke         # anywhere, ~1 min on a CPU
+    python -m benchmarks.gpu_fp8                 # on an H100: ~3-5 min
+    python -m benchmarks.gpu_fp8 --smoke         # anywhere, ~1 min on a CPU
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from typing import Any, Callable, List, Optional
 
@@ -44,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import harness
+from benchmarks import harness
 import jmp_policy
 
 KINDS: tuple[Optional[str], ...] = (None, "tensorwise", "rowwise", "delayed")
@@ -125,11 +123,8 @@ def grad_step(kind: Optional[str]) -> Callable[..., Any]:
 
 
 def gemm_figures(build: harness.Build) -> dict:
-    """GEMM custom calls of the optimized HLO, and those on float8 operands."""
-    gemms = [line for line in build.compiled.as_text().splitlines()
-             if "custom-call(" in line
-             and re.search(r'custom_call_target="[^"]*(cublas|gemm)', line, re.I)]
-    return {"gemms": len(gemms), "f8_gemms": sum("f8" in g for g in gemms)}
+    """GEMMs of the optimized HLO, and those on float8 operands (`harness.gemm_counts`)."""
+    return harness.gemm_counts(build.compiled.as_text())
 
 
 MLP_COLUMNS = [

@@ -1,4 +1,4 @@
-"""Issue 18 on a GPU: where a loss-scaled, donated LM step loses time, and what wins it back.
+"""Loss scaling on a GPU: what it adds to a donated LM train step, where that time goes, what wins it back.
 
 Every figure comes from a donated train step (``donate_argnums=(0, 1)``;
 outputs fed back as inputs) of the float16 Flax LM of ``bench_loss_scaling.py``:
@@ -52,7 +52,7 @@ the phases that would not finish in time.
 Commands. On this machine (CPU), a smoke run with tiny LMs (2-4 min on 2
 shared cores)::
 
-    python benchmarks/gpu_loss_scaling.py --smoke
+    python -m benchmarks.gpu_loss_scaling --smoke
 
 On a GPU machine (H100), from the repository root, with the peers' wheels in
 ``.whl/`` (benchmarks/README.md; a missing peer is listed under "failed")
@@ -60,19 +60,18 @@ and ``--json`` under ``$OUT``, so that the report comes back::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false BENCH_GIT_COMMIT=<commit>
-    python3 benchmarks/gpu_loss_scaling.py --json $OUT/gpu_loss_scaling.json          # ~8 min
-    python3 benchmarks/gpu_loss_scaling.py --phases profile --keep-traces $OUT \
+    python3 -m benchmarks.gpu_loss_scaling --json $OUT/gpu_loss_scaling.json          # ~8 min
+    python3 -m benchmarks.gpu_loss_scaling --phases profile --keep-traces $OUT \
         --json $OUT/profile.json                                                       # ~1 min
-    python3 benchmarks/gpu_loss_scaling.py --phases profile \
+    python3 -m benchmarks.gpu_loss_scaling --phases profile \
         --profile-xla-flags=--xla_enable_command_buffers_during_profiling=true \
         --json $OUT/profile_cmdbuf.json    # profile with command buffers as in the timed runs
-    python3 benchmarks/gpu_loss_scaling.py --phases steps --lms lm100 --json $OUT/lm100.json
-    python3 benchmarks/gpu_loss_scaling.py --phases flags --flag-sets all --json $OUT/flags.json
+    python3 -m benchmarks.gpu_loss_scaling --phases steps --lms lm100 --json $OUT/lm100.json
+    python3 -m benchmarks.gpu_loss_scaling --phases flags --flag-sets all --json $OUT/flags.json
 
 XLA's default turns command buffers (CUDA graphs) off while a profiler
 runs, so the default profile shows every kernel launched one by one; the
-``--profile-xla-flags`` run above shows the timed configuration. Nsight
-Systems was not usable on this workplace's GPU machines (2026-11).
+``--profile-xla-flags`` run above shows the timed configuration.
 """
 
 from __future__ import annotations
@@ -95,7 +94,7 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import harness
+from benchmarks import harness
 
 BASELINE = "optax.adam"
 OURS = "jmp_policy.loss_scaling(adam)"
@@ -130,8 +129,8 @@ SMOKE_LMS = {"lm16": dict(vocab=256, width=32, depth=1, heads=2, seq=16, batch=2
 # XLA flag sets for the flags phase: name -> XLA_FLAGS ("default" sets nothing).
 # Command buffers are CUDA graphs. XLA's default captures fusions and library
 # calls but not conditionals: a lax.cond splits the graph, and XLA's
-# ConditionalThunk copies the predicate to the host to pick the branch (one
-# candidate cost of issue 18).
+# ConditionalThunk copies the predicate to the host to pick the branch (a
+# candidate cost of loss scaling's skip).
 FLAG_SETS = {
     "default": "",
     "cmdbuf+cond": "--xla_gpu_enable_command_buffer=+CONDITIONAL",
@@ -186,7 +185,7 @@ def variant_recipes(loss_fn: Callable[..., Any], names: List[str]) -> list:
     import jax.numpy as jnp
     import optax
 
-    import bench_loss_scaling as bls
+    from benchmarks import bench_loss_scaling as bls
     import jmp_policy
 
     adam = optax.adam(bls.LR)
@@ -273,7 +272,7 @@ def variant_recipes(loss_fn: Callable[..., Any], names: List[str]) -> list:
 
 def recipes_for(loss_fn: Callable[..., Any], names: List[str]) -> Tuple[list, List[dict]]:
     """The recipes named, in that order: bench_loss_scaling's and the variants."""
-    import bench_loss_scaling as bls
+    from benchmarks import bench_loss_scaling as bls
 
     unavailable: List[dict] = []
     by_name = {r.name: r for r in bls.build_recipes(loss_fn, unavailable)}
@@ -405,14 +404,14 @@ def summarize_trace(path: str, steps: int, top: int = 15) -> Dict[str, Any]:
 # --------------------------------------------------------------------------- #
 
 def _workload(spec: Dict[str, Any]):
-    import bench_loss_scaling as bls
+    from benchmarks import bench_loss_scaling as bls
 
     return bls.lm_workload(bls.LMConfig(**spec["lm_config"]))
 
 
 def child_steps(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Compiles, checks and times the recipes of ``spec`` on its LM, donated."""
-    import bench_loss_scaling as bls
+    from benchmarks import bench_loss_scaling as bls
 
     params, tokens, desc, loss_fn = _workload(spec)
     recipes, skipped = recipes_for(loss_fn, spec["recipes"])
@@ -428,7 +427,7 @@ def child_profile(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Traces ``spec["steps"]`` donated steps of each recipe and summarises each trace."""
     import jax
 
-    import bench_loss_scaling as bls
+    from benchmarks import bench_loss_scaling as bls
 
     params, tokens, desc, loss_fn = _workload(spec)
     recipes, skipped = recipes_for(loss_fn, spec["recipes"])
@@ -467,50 +466,28 @@ def child_profile(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 def run_child(spec: Dict[str, Any], xla_flags: str, timeout: float) -> Dict[str, Any]:
     """Runs one task in a child process with ``XLA_FLAGS`` extended by ``xla_flags``."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS", ""), xla_flags) if f)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec),
-               "--child-out", out]
-        proc = subprocess.run(cmd, env=env, timeout=timeout, stdout=sys.stderr)
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"child exited with status {proc.returncode}")
-        with open(out) as f:
-            return json.load(f)
+    flags = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), xla_flags) if f)
+    return harness.run_child("gpu_loss_scaling", ["--child", json.dumps(spec)],
+                             env={"XLA_FLAGS": flags or None}, timeout=timeout)
 
 
-def child_main(spec_json: str, out: str) -> int:
+def child_main(spec_json: str) -> int:
     spec = json.loads(spec_json)
     result = {"steps": child_steps, "profile": child_profile}[spec["task"]](spec)
     result["environment"] = harness.environment()
-    with open(out, "w") as f:
-        json.dump(harness._clean(result), f)
+    harness.child_result(result)
     return 0
 
 
 # --------------------------------------------------------------------------- #
-# XLA flags: which exist, and whether a set parses.
+# XLA flags: which exist.
 # --------------------------------------------------------------------------- #
-
-def probe_flags(flags: str) -> Optional[str]:
-    """None if XLA accepts ``flags``, else the reason (XLA parses them in a CPU-only process)."""
-    if not flags:
-        return None
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
-                          capture_output=True, text=True, timeout=120)
-    if proc.returncode == 0:
-        return None
-    lines = [ln for ln in proc.stderr.splitlines() if "flag" in ln.lower() and "--xla" in ln]
-    return (lines[0] if lines else proc.stderr.strip()[-300:])[:300]
-
 
 def available_flags(pattern: str = r"command_buffer|graph|conditional|profiling") -> List[str]:
     """XLA option names matching ``pattern`` found in the installed jaxlib and GPU plugin binaries.
 
     Both flags and ``DebugOptions`` fields are listed (a flag has its field's
-    name); `probe_flags` says whether a set really parses.
+    name); `harness.xla_flags_error` says whether a set really parses.
     """
     import site
 
@@ -623,7 +600,6 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="tiny LMs, few rounds (runs on a CPU)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for key in ("peers", "profile_peers", "variants"):
         if getattr(args, key) is not None:
@@ -648,10 +624,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if args.child is not None:
-        return child_main(args.child, args.child_out)
+        return child_main(args.child)
     start = time.perf_counter()
     lms = SMOKE_LMS if args.smoke else LMS
-    settings = {k: v for k, v in vars(args).items() if k not in ("child", "child_out")}
+    settings = {k: v for k, v in vars(args).items() if k != "child"}
     settings["lm_configs"] = lms
     path = args.json or os.path.join(harness.RESULTS,
                                      f"gpu_loss_scaling{'.smoke' if args.smoke else ''}.json")
@@ -661,7 +637,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for task in plan(args, lms):
         elapsed = time.perf_counter() - start
         if task.flag_set is not None:
-            reason = probe_flags(task.xla_flags)
+            reason = harness.xla_flags_error(task.xla_flags)
             report.extra["flag_sets"][task.flag_set] = {"xla_flags": task.xla_flags,
                                                         "supported": reason is None,
                                                         "error": reason}

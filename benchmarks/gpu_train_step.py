@@ -11,26 +11,22 @@ device's peak memory; the loss after the steps and the skipped steps.
 
 Commands (from the repository root; JSON to ``benchmarks/results/gpu_train_step.json``)::
 
-    python benchmarks/gpu_train_step.py                 # GPU-sized model on a GPU, else --size cpu
-    python benchmarks/gpu_train_step.py --size cpu      # small sizes, runs anywhere (~1 min on CPU)
-    python benchmarks/gpu_train_step.py --quick         # smoke run: --size cpu, 3 steps
+    python -m benchmarks.gpu_train_step                 # GPU-sized model on a GPU, else --size cpu
+    python -m benchmarks.gpu_train_step --size cpu      # small sizes, runs anywhere (~1 min on CPU)
+    python -m benchmarks.gpu_train_step --quick         # smoke run: --size cpu, 3 steps
 
 On a GPU machine whose Python lacks this checkout's packages::
 
-    PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/gpu_train_step.py
+    PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m benchmarks.gpu_train_step
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
-import os
-import subprocess
 import sys
 from typing import Any, Dict, List, Optional
 
-import harness
+from benchmarks import harness
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 SIZES = {
@@ -47,16 +43,6 @@ COLUMNS = [
 ]
 
 
-def load_example(name: str) -> Any:
-    """``examples/<name>.py`` as a module (it is a script, not part of the package)."""
-    path = os.path.join(harness.REPO, "examples", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_example_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # flax modules are dataclasses: they look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def run_one(policy: str, size: Dict[str, int], steps: int, warmup: int) -> Dict[str, Any]:
     """One policy's figures (in a child process)."""
     import time
@@ -65,7 +51,7 @@ def run_one(policy: str, size: Dict[str, int], steps: int, warmup: int) -> Dict[
     import numpy as np
     import optax
 
-    lm = load_example("transformer_lm")
+    lm = harness.load_file("examples/transformer_lm.py")
     config = lm.Config(**size)
     init, train_step, _ = lm.make_train_step(policy, config)
     params, opt_state = init(0)
@@ -111,8 +97,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
-    if args.one is not None:  # child process: one policy, JSON on the last line
-        print(json.dumps(run_one(args.one, SIZES[args.size], args.steps, args.warmup)))
+    if args.one is not None:  # child process: one policy
+        harness.child_result(run_one(args.one, SIZES[args.size], args.steps, args.warmup))
         return 0
 
     if args.quick:
@@ -123,10 +109,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     report = harness.Report("gpu_train_step", __doc__.split("\n")[0], vars(args), argv)
     results = []
     for policy in args.policies:
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", policy, "--size", args.size,
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        results.append(json.loads(out.strip().splitlines()[-1]))
+        results.append(harness.run_child(
+            "gpu_train_step", ["--one", policy, "--size", args.size, "--steps", str(args.steps),
+                               "--warmup", str(args.warmup)]))
         print(f"{policy}: {results[-1]['figures']['wall_s'] * 1e3:.2f} ms/step", flush=True)
     desc = (f"size {args.size} {SIZES[args.size]}, {results[0]['params']:,} params, "
             f"median of {args.steps} steps after {args.warmup}")

@@ -1,15 +1,28 @@
 """The measuring code every benchmark script shares: compile, XLA figures, wall time, JSON.
 
-The scripts are run as files, ``python benchmarks/<script>.py``; Python then
-puts ``benchmarks/`` first on ``sys.path``, so they ``import harness`` (no
-package, no ``sys.path`` edits). The harness uses the library's public API
-only, and holds no figures.
+``benchmarks`` is a package: the scripts run from the repository root as
+``python -m benchmarks.<script>``, and they and the tests import this module
+as ``from benchmarks import harness``. The harness uses the library's public
+API only, and holds no figures. What it holds, in one place each:
+
+* measuring: `Case`, `build`, `measure`, `Runner`, `time_interleaved`;
+* reading XLA's programs: `xla_figures`, `hlo_figures`, `parse_hlo`,
+  `kernels` (every kernel a program launches, its GEMM FLOPs and bytes),
+  `gemm_counts`, `kernel_bytes`, `distinct_kernels`, `count_stablehlo_ops`;
+* compiling for an H100 without one: `H100_TARGET`, `h100_sharding`,
+  `gpu_target`, `on_target`, `callbacks_on_device`;
+* child processes: `run_child` runs a script's task in a fresh process (its
+  own XLA flags, device context or library checkout), `child_result` hands the
+  result back; `xla_flags_error` says whether XLA accepts a set of flags;
+* files outside the package: `load_file` (``examples/*.py``, ``tests/*.py``);
+* reports: `Report`, `Table`, `Column`, `render_table`, `render_markdown`,
+  `environment`, `add_common_arguments`.
 
 A benchmark describes each thing to measure as a `Case` (a function to jit,
 its arguments, what it donates and which outputs feed the next call), calls
 `measure`, puts the rows into a `Report` table and writes the report::
 
-    import harness
+    from benchmarks import harness
     report = harness.Report("bench_example", settings={"n": 1000})
     cases = [harness.Case("plain", f, (x,)), harness.Case("ours", g, (x,))]
     rows, failed = harness.measure(cases, compile_rounds=3, rounds=10, iters=5)
@@ -41,11 +54,11 @@ JSON (``SCHEMA``, written by `Report.write`)::
     {"schema": "jmp_policy-benchmark/1",
      "benchmark": "bench_loss_scaling",            # the script's name
      "description": "...",
-     "command": "python benchmarks/bench_loss_scaling.py --quick",
+     "command": "python -m benchmarks.bench_loss_scaling --quick",
      "environment": {"date", "git_commit", "git_dirty", "python", "platform",
                      "packages": {"jax": "0.10.2", ...}, "backend", "device_kind",
                      "device_count", "host_cpus", "load_average", "load_average_at_write",
-                     "xla_flags", "compilation_cache"},
+                     "xla_flags", "compilation_cache", "library"},
      "settings": {...},                             # the script's arguments
      "tables": [{"id", "title", "description", "baseline",
                  "columns": [{"key", "label", "unit"}],   # unit: s, bytes, count, x, ...
@@ -57,18 +70,22 @@ JSON (``SCHEMA``, written by `Report.write`)::
      "notes": ["..."]}
 
 Raw figures are in base units (seconds, bytes, counts); ratios are to the
-baseline row of the same table, measured in the same run. ``python
-benchmarks/harness.py render benchmarks/results/*.json`` prints the tables
-of JSON files as markdown.
+baseline row of the same table, measured in the same run. ``python -m
+benchmarks.harness render benchmarks/results/*.json`` prints the tables of JSON
+files as markdown; ``python -m benchmarks.harness run --library PATH <script>
+[args]`` runs a script with the library of another checkout.
 """
 
 from __future__ import annotations
 
+import ast
+import collections
 import contextlib
 import dataclasses
 import datetime
 import gc
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -78,6 +95,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -337,6 +355,149 @@ def shape_bytes(shape: str) -> float:
     return total
 
 
+@dataclasses.dataclass
+class Kernel:
+    """One launch of an optimized HLO module: its GEMM FLOPs (0 for other kernels) and bytes."""
+
+    name: str
+    opcode: str
+    shape: str              # the result type (a cuBLAS call's workspace left out)
+    op_name: str            # the JAX operation it came from (HLO metadata)
+    bytes: float            # operands + result, as `kernel_bytes` counts them
+    flops: float = 0.0
+    gemm_dtype: str = ""    # "f8", "bf16", "f32": the GEMM's operand type; "" if no GEMM
+
+    @property
+    def is_gemm(self) -> bool:
+        return bool(self.gemm_dtype)
+
+
+# Top-level instructions that launch no kernel of their own (control flow launches its
+# bodies' kernels).
+_NO_KERNEL = _FREE | {"while", "conditional", "call"}
+_CUBLAS = re.compile(r'custom_call_target="(__cublas[^"]*)"')
+_CALLED = re.compile(r"(?:body|condition|to_apply|true_computation|false_computation)="
+                     r"%?([\w.\-]+)")
+# A cuBLAS call's second result is its workspace: scratch memory rather than traffic.
+_WORKSPACE = re.compile(r",?\s*s8\[\d+\]\{0\}\)$")
+
+
+def _dims(shape: str) -> Tuple[str, List[int]]:
+    """``"f32[8,16]{1,0}"`` -> ``("f32", [8, 16])``; the first array of a tuple."""
+    m = re.search(r"([a-z][a-z0-9]*)\[([\d,]*)\]", shape)
+    assert m is not None, shape
+    return m.group(1), [int(d) for d in m.group(2).split(",") if d]
+
+
+def _operand_type(dtype: str) -> str:
+    return "f8" if dtype.startswith("f8") else dtype
+
+
+def _dot_flops(out_shape: str, lhs_shape: str, contracting: Sequence[int]) -> float:
+    """2 x output elements x contracted length: 2*M*N*K, batch dimensions included."""
+    _, out = _dims(out_shape)
+    _, lhs = _dims(lhs_shape)
+    return 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting)
+
+
+def _cublas_gemm(inst: HloInstruction, shapes: Dict[str, str]) -> Tuple[float, str]:
+    """FLOPs and operand type of a cuBLAS(Lt) custom call, from its backend config."""
+    numbers = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.attributes)
+    contracting = [int(d) for d in re.findall(r"\d+", numbers.group(1))] if numbers else []
+    lhs = shapes[inst.operands[0]]
+    return _dot_flops(inst.shape, lhs, contracting), _operand_type(_dims(lhs)[0])
+
+
+def _dot_gemm(inst: HloInstruction, shapes: Dict[str, str]) -> Tuple[float, str]:
+    """FLOPs and operand type of a ``dot`` instruction."""
+    dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attributes)
+    contracting = [int(d) for d in re.findall(r"\d+", dims.group(1))] if dims else []
+    lhs = shapes[inst.operands[0]]
+    return _dot_flops(inst.shape, lhs, contracting), _operand_type(_dims(lhs)[0])
+
+
+def _fused_gemm(inst: HloInstruction, bodies: Dict[str, List[HloInstruction]],
+                shapes: Dict[str, str]) -> Tuple[float, str]:
+    """FLOPs and operand type of the ``dot`` s inside a fusion (a Triton GEMM), nested
+    fusions followed; (0, "") when it holds none."""
+    flops, dtype, todo = 0.0, "", _CALLS.findall(inst.attributes)
+    while todo:
+        for i in bodies.get(todo.pop(), []):
+            todo += _CALLS.findall(i.attributes) if i.opcode == "fusion" else []
+            if i.opcode == "dot":
+                f, dtype = _dot_gemm(i, shapes)
+                flops += f
+    return flops, dtype
+
+
+def _launch_computations(instructions: Sequence[HloInstruction], text: str) -> set:
+    """The entry computation and the bodies of its loops, branches and calls: where
+    kernels are launched from (a reduction's ``to_apply`` region is no launch)."""
+    entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", text, re.M)
+    found: set = set()
+    todo = [entry.group(1)] if entry else []
+    by_computation: Dict[str, List[HloInstruction]] = collections.defaultdict(list)
+    for i in instructions:
+        by_computation[i.computation].append(i)
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        for i in by_computation[name]:
+            if i.opcode in ("while", "conditional", "call"):
+                todo += _CALLED.findall(i.attributes)
+                branches = re.search(r"branch_computations=\{([^}]*)\}", i.attributes)
+                todo += re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches else []
+    return found
+
+
+def kernels(text: str) -> List[Kernel]:
+    """Every kernel an optimized HLO module launches, with its GEMM FLOPs and its bytes.
+
+    A GEMM is a cuBLAS(Lt) custom call, a fusion holding a ``dot`` (a Triton GEMM) or
+    a ``dot`` left unfused (XLA:CPU):
+    ``2 * M * N * K`` FLOPs, from its operands' shapes and dot dimensions. Bytes:
+    operands and result, a cuBLAS call's workspace left out. Kernels in a loop's
+    body count once, as in `kernel_bytes`."""
+    instructions = parse_hlo(text)
+    shapes = {i.name: i.shape for i in instructions}
+    bodies: Dict[str, List[HloInstruction]] = collections.defaultdict(list)
+    for i in instructions:
+        bodies[i.computation].append(i)
+    launching = _launch_computations(instructions, text)
+    out = []
+    for i in instructions:
+        if i.computation not in launching or i.opcode in _NO_KERNEL:
+            continue
+        op_name = re.search(r'op_name="([^"]*)"', i.attributes)
+        target = _CUBLAS.search(i.attributes) if i.opcode == "custom-call" else None
+        result = _WORKSPACE.sub(")", i.shape) if target else i.shape
+        moved = shape_bytes(result) + sum(shape_bytes(shapes.get(o, "")) for o in i.operands)
+        k = Kernel(i.name, i.opcode, result, op_name.group(1) if op_name else "", moved)
+        if target:
+            k.flops, k.gemm_dtype = _cublas_gemm(i, shapes)
+        elif i.opcode == "fusion":
+            k.flops, k.gemm_dtype = _fused_gemm(i, bodies, shapes)
+        elif i.opcode == "dot":  # XLA:CPU leaves products unfused
+            k.flops, k.gemm_dtype = _dot_gemm(i, shapes)
+        out.append(k)
+    return out
+
+
+def gemm_counts(text: str) -> Dict[str, int]:
+    """``gemms``: the GEMMs of an optimized HLO module (see `kernels`); ``f8_gemms``:
+    those on float8 operands."""
+    gemms = [k for k in kernels(text) if k.is_gemm]
+    return {"gemms": len(gemms), "f8_gemms": sum(k.gemm_dtype == "f8" for k in gemms)}
+
+
+def cuda_workspace_bytes(text: str) -> float:
+    """Bytes of the cuBLAS calls' workspaces: what `kernel_bytes` counts and `kernels`
+    leaves out."""
+    return sum(float(n) for n in re.findall(r"s8\[(\d+)\]\{0\}\) custom-call", text))
+
+
 def cost_figures(compiled: Any) -> Dict[str, Optional[float]]:
     """``bytes_accessed`` and ``flops`` from XLA's cost analysis (None where missing)."""
     cost = compiled.cost_analysis()
@@ -415,6 +576,14 @@ def h100_sharding() -> Any:
                                             topology="1x1x1")
     mesh = topologies.make_mesh(topology, (1,), ("x",))
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def on_target(tree: Any, sharding: Any) -> Any:
+    """``jax.ShapeDtypeStruct`` s of ``tree`` 's arrays (or of its specs) placed by
+    ``sharding``: arguments that make ``jax.jit(f).trace(...).lower().compile()``
+    compile for that sharding's devices (a deviceless H100's, say)."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
 def gpu_target() -> Tuple[Any, str]:
@@ -768,14 +937,19 @@ def render_markdown(payload: Dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- #
 
 def command_line(argv: Optional[Sequence[str]] = None) -> str:
-    """The command that reproduces this run, from the repository's root."""
+    """The command that reproduces this run, from the repository's root:
+    ``python -m benchmarks.<script> ...`` for a benchmark script."""
     script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else "?"
-    if script.startswith(REPO + os.sep):
-        script = os.path.relpath(script, REPO)
+    if os.path.dirname(script) == BENCHMARKS and script.endswith(".py"):
+        program = ["python", "-m", f"benchmarks.{os.path.basename(script)[:-3]}"]
+    else:
+        if script.startswith(REPO + os.sep):
+            script = os.path.relpath(script, REPO)
+        program = ["python", shlex.quote(script)]
     args = list(sys.argv[1:] if argv is None else argv)
     flags = os.environ.get("XLA_FLAGS")
     prefix = f"XLA_FLAGS={shlex.quote(flags)} " if flags else ""
-    return prefix + " ".join(["python", shlex.quote(script)] + [shlex.quote(a) for a in args])
+    return prefix + " ".join(program + [shlex.quote(a) for a in args])
 
 
 def _git(*args: str) -> Optional[str]:
@@ -806,7 +980,9 @@ def environment() -> Dict[str, Any]:
 
     The commit is ``git rev-parse HEAD`` of this checkout, or the
     ``BENCH_GIT_COMMIT`` environment variable where there is no git (a
-    copy of the working tree on another machine).
+    copy of the working tree on another machine); ``library`` is where the
+    ``jmp_policy`` measured came from (another checkout's, under
+    ``python -m benchmarks.harness run --library``).
     """
     commit = _git("rev-parse", "--short=12", "HEAD") or os.environ.get("BENCH_GIT_COMMIT")
     dirty = _git("status", "--porcelain", "--untracked-files=no", "--", "jmp_policy", "benchmarks")
@@ -829,7 +1005,138 @@ def environment() -> Dict[str, Any]:
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "compilation_cache": bool(jax.config.jax_compilation_cache_dir),
+        "library": _library(),
     }
+
+
+def _library() -> Optional[str]:
+    """The folder of the ``jmp_policy`` this process imports (None if it has none)."""
+    spec = importlib.util.find_spec("jmp_policy")
+    if spec is None or not spec.origin:
+        return None
+    return os.path.dirname(os.path.realpath(spec.origin))
+
+
+# --------------------------------------------------------------------------- #
+# Child processes and files outside the package.
+# --------------------------------------------------------------------------- #
+
+# The environment variable naming the file where a child writes its result.
+CHILD_OUT = "JMP_POLICY_BENCH_CHILD_OUT"
+
+
+@contextlib.contextmanager
+def child_environment(library: Optional[str] = None,
+                      env: Optional[Dict[str, Optional[str]]] = None
+                      ) -> Iterator[Tuple[Dict[str, str], str]]:
+    """The environment of a child process that runs ``python -m benchmarks.<script>``
+    from the repository root, and a scratch folder that lives as long as the context.
+
+    ``library``: a checkout whose ``jmp_policy`` the child imports, with this
+    checkout's benchmarks (only the library is taken from it: its own ``benchmarks/``
+    would shadow these); ``env``: variables set for the child (``None`` unsets one).
+    """
+    with tempfile.TemporaryDirectory(prefix="jmp_policy_bench_") as tmp:
+        child_env = dict(os.environ)
+        for key, value in (env or {}).items():
+            if value is None:
+                child_env.pop(key, None)
+            else:
+                child_env[key] = value
+        paths = [REPO]
+        if library is not None:
+            shim = os.path.join(tmp, "library")
+            os.makedirs(shim)
+            os.symlink(os.path.join(os.path.abspath(library), "jmp_policy"),
+                       os.path.join(shim, "jmp_policy"))
+            paths.insert(0, shim)
+        if child_env.get("PYTHONPATH"):
+            paths.append(child_env["PYTHONPATH"])
+        child_env["PYTHONPATH"] = os.pathsep.join(paths)
+        child_env["PYTHONSAFEPATH"] = "1"  # no current directory ahead of PYTHONPATH
+        yield child_env, tmp
+
+
+def run_child(module: str, args: Sequence[str] = (), *, python: Optional[str] = None,
+              library: Optional[str] = None, env: Optional[Dict[str, Optional[str]]] = None,
+              timeout: Optional[float] = None) -> Any:
+    """Runs ``python -m benchmarks.<module> *args`` in a fresh process and returns what
+    it gave `child_result`.
+
+    A fresh process has its own XLA flags (XLA reads them once: ``env={"XLA_FLAGS":
+    ...}``), its own device context (a GPU's peak memory is then one task's) and its
+    own library (``library``, see `child_environment`); ``python``: the interpreter
+    (default: this one), e.g. one with JAX's CUDA plugin. The child's output goes to
+    this process's standard error as it comes. Raises `RuntimeError` if the child
+    fails, `subprocess.TimeoutExpired` after ``timeout`` seconds.
+    """
+    with child_environment(library, env) as (child_env, tmp):
+        child_env[CHILD_OUT] = out = os.path.join(tmp, "result.json")
+        command = [python or sys.executable, "-m", f"benchmarks.{module}", *args]
+        proc = subprocess.run(command, env=child_env, cwd=REPO, timeout=timeout,
+                              stdout=sys.stderr)
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(" ".join(command[2:])
+                               + (f" (library {library})" if library else "")
+                               + f": exited with status {proc.returncode}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def child_result(result: Any) -> None:
+    """Hands ``result`` (JSON-able) to the `run_child` that started this process; run by
+    hand, prints it."""
+    path = os.environ.get(CHILD_OUT)
+    if path is None:
+        print(json.dumps(_clean(result), indent=1))
+        return
+    with open(path, "w") as f:
+        json.dump(_clean(result), f)
+
+
+def xla_flags_error(flags: str, python: Optional[str] = None) -> Optional[str]:
+    """None if XLA accepts ``flags``, else why not: XLA aborts on a flag it does not
+    know, so they are parsed in a CPU-only process of their own."""
+    if not flags:
+        return None
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([python or sys.executable, "-c", "import jax; jax.devices()"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    if proc.returncode == 0:
+        return None
+    lines = [ln for ln in proc.stderr.splitlines() if "flag" in ln.lower() and "--xla" in ln]
+    return (lines[0] if lines else proc.stderr.strip()[-300:])[:300]
+
+
+def load_file(path: str, name: Optional[str] = None) -> Any:
+    """The Python file ``path`` (relative to the repository root: ``examples/x.py``,
+    ``tests/real_models.py``) as a module named ``name`` (default: the file's stem),
+    loaded once per process. Examples and test helpers are scripts, not packages: the
+    files of the same folder that it imports by name (as pytest or Python, running it
+    from its folder, would find them) are loaded first, the same way."""
+    name = name or os.path.splitext(os.path.basename(path))[0]
+    if name not in sys.modules:
+        folder = os.path.dirname(path)
+        with open(os.path.join(REPO, path)) as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                     and not node.level else [])
+            for imported in names:
+                sibling = os.path.join(folder, f"{imported}.py")
+                if "." not in imported and os.path.exists(os.path.join(REPO, sibling)):
+                    load_file(sibling, imported)
+        spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, path))
+        assert spec is not None and spec.loader is not None, path
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses (flax modules) look their module up
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
 
 
 def add_common_arguments(parser: Any, *, rounds: int = 10, iters: int = 5,
@@ -846,14 +1153,26 @@ def add_common_arguments(parser: Any, *, rounds: int = 10, iters: int = 5,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python benchmarks/harness.py render FILE.json...``: the reports as markdown."""
+    """``python -m benchmarks.harness render FILE.json...``: the reports as markdown;
+    ``python -m benchmarks.harness run --library PATH SCRIPT [ARGS...]``: a benchmark
+    script run with the library of the checkout at PATH (a commit before a change)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     render = sub.add_parser("render", help="print reports as markdown")
     render.add_argument("files", nargs="+")
+    run = sub.add_parser("run", help="run a script with another checkout's library")
+    run.add_argument("--library", required=True, help="a checkout of jmp_policy")
+    run.add_argument("script", help="a script of benchmarks/, e.g. bench_inspect_models")
+    run.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.command == "run":
+        script = os.path.basename(args.script)
+        script = script[:-3] if script.endswith(".py") else script
+        with child_environment(args.library) as (env, _):
+            return subprocess.run([sys.executable, "-m", f"benchmarks.{script}", *args.args],
+                                  env=env, cwd=REPO).returncode
     for path in args.files:
         with open(path) as f:
             print(render_markdown(json.load(f)))

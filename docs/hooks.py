@@ -29,15 +29,15 @@ Checks (warnings, so ``mkdocs build --strict`` fails on them): every name in
 ``jmp_policy.__all__``, ``jmp_policy.flax.__all__`` and
 ``jmp_policy.autocast.__all__`` has a ``::: name`` entry in ``docs/api/``.
 
-The tables are drawn by ``benchmarks/harness.py``'s own ``render_table``, so
-the page and ``python benchmarks/harness.py render`` agree.
+The tables are drawn by ``benchmarks.harness``'s own ``render_table``, so
+the page and ``python -m benchmarks.harness render`` agree.
 """
 
 from __future__ import annotations
 
 import ast
 import glob
-import importlib.util
+import importlib
 import json
 import logging
 import math
@@ -59,16 +59,13 @@ _OURS = ("jax", "jaxlib", "optax", "flax", "jmp_policy")
 
 
 def _load_harness() -> Any:
-    """``benchmarks/harness.py``, loaded by path (``benchmarks/`` is not a package)."""
+    """``benchmarks.harness``, imported from this checkout (mkdocs loads this file by
+    path, so the repository root need not be on ``sys.path`` yet)."""
     global _harness
     if _harness is None:
-        spec = importlib.util.spec_from_file_location(
-            "_jmp_policy_bench_harness", os.path.join(ROOT, "benchmarks", "harness.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up
-        spec.loader.exec_module(module)
-        _harness = module
+        if ROOT not in sys.path:
+            sys.path.insert(0, ROOT)
+        _harness = importlib.import_module("benchmarks.harness")
     return _harness
 
 
@@ -204,6 +201,15 @@ def render_all_reports(shown: dict[str, set[str]] | None = None) -> str:
     return "\n".join(out)
 
 
+def _writer(name: str) -> str:
+    """The script that writes the report ``name``: the longest ``benchmarks/*.py`` whose
+    name starts it (``bench_fp8_training_moe.json``: ``bench_fp8``)."""
+    stem = name.split(".")[0]
+    scripts = [os.path.basename(f)[:-3] for f in glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))]
+    found = [s for s in scripts if stem == s or stem.startswith(s + "_")]
+    return f"`python -m benchmarks.{max(found, key=len)}`" if found else "a benchmark"
+
+
 def render_tables(spec: str) -> str:
     parts = spec.split()
     if len(parts) < 2:
@@ -213,10 +219,9 @@ def render_tables(spec: str) -> str:
     path = os.path.join(RESULTS, name)
     if not os.path.exists(path):
         log.info("benchmark report %s is not in this checkout", name)
-        script = name.split(".")[0].split("_20")[0]
         return (f"!!! note \"Not measured in this checkout\"\n"
-                f"    `benchmarks/results/{name}` is not here yet: "
-                f"`python benchmarks/{script}.py` writes it.\n")
+                f"    `benchmarks/results/{name}` is not here yet: {_writer(name)} writes it "
+                f"(benchmarks/README.md).\n")
     payload = _load(path)
     tables = {t["id"]: t for t in payload["tables"]}
     out = []

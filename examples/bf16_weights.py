@@ -31,7 +31,7 @@ task (test metric, difference from the float32 master run, bytes per
 parameter, XLA's memory account of one step, steps/s), checks each recipe
 against the tolerances (0.5 points of accuracy, 1% of bits per byte), and writes ``results.json`` and ``bf16_weights.png``
 to ``--out`` (default ``results/bf16_weights/``). ``--report PATH`` also
-writes the tables as a benchmark report (``benchmarks/harness.py``'s JSON
+writes the tables as a benchmark report (``benchmarks.harness``'s JSON
 schema), which the documentation renders.
 """
 
@@ -371,7 +371,8 @@ def plot(tasks: List[Task], results: Dict[str, List[Dict[str, Any]]], path: str)
 
 def write_report(path: str, tasks: List[Task], results: Dict[str, List[Dict[str, Any]]],
                  settings: Dict[str, Any], notes: List[str], argv: Optional[List[str]]) -> None:
-    """The tables as a ``benchmarks/harness.py`` report (loaded by path: not a package)."""
+    """The tables as a ``benchmarks.harness`` report (loaded by path: an example runs as a
+    file, without the repository root on ``sys.path``)."""
     spec = importlib.util.spec_from_file_location(
         "_bf16_weights_harness", os.path.join(HERE, os.pardir, "benchmarks", "harness.py"))
     harness = importlib.util.module_from_spec(spec)

@@ -10,26 +10,12 @@ grow with the arrays.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
-import sys
 from typing import Any, Callable
 
 import jax
 import optax
 
-_HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks",
-                        "harness.py")
-
-
-def _harness() -> Any:
-    """``benchmarks/harness.py``, which reads HLO for the benchmarks too (one place)."""
-    if "harness" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("harness", _HARNESS)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["harness"] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
-    return sys.modules["harness"]
+from benchmarks import harness  # reads HLO for the benchmarks too (one place)
 
 
 def _cpu_text(step: Callable[..., Any], *args: Any) -> str:
@@ -55,7 +41,7 @@ def instructions_per_leaf(make: Callable[[], optax.GradientTransformation], dtyp
         params = {f"p{i}": jax.ShapeDtypeStruct(s, dtype) for i, s in enumerate(shapes[:n])}
         state = jax.eval_shape(tx.init, params)
         text = compile(functools.partial(step, tx=tx), params, state, params)
-        return len(_harness().parse_hlo(text))
+        return len(harness.parse_hlo(text))
 
     return count(2) - count(1)
 
@@ -68,4 +54,4 @@ def step_kernels(tx: optax.GradientTransformation, params: Any) -> int:
 
     state = jax.eval_shape(tx.init, params)
     text = jax.jit(step).lower(params, state, params).compile().as_text()
-    return _harness().distinct_kernels(text)
+    return harness.distinct_kernels(text)

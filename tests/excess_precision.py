@@ -7,8 +7,7 @@ below, inside loops, branches, nested calls, custom derivatives and remat too,
 so that the tests see what a GPU computes.
 
 What XLA:GPU does (jax and jaxlib 0.10.2, deviceless compiles for an H100,
-``xla_allow_excess_precision`` at its default, true; read off the optimized HLO;
-``benchmarks/probe_excess_precision.py`` reruns them):
+``xla_allow_excess_precision`` at its default, true; read off the optimized HLO):
 
 1. **Chains of float conversions collapse.** ``convert(convert(x, T1), T2)`` is
    ``convert(x, T2)``, whatever ``T1`` is, and longer chains alike: a round trip

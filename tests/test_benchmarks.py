@@ -1,26 +1,24 @@
 """The benchmark harness: a tiny measurement, its JSON report, and the scripts' import rules."""
 
-import importlib.util
 import json
 import os
 import re
+import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
+from benchmarks import harness as _harness
+
+BENCHMARKS = os.path.dirname(os.path.abspath(_harness.__file__))
 
 
 @pytest.fixture(scope="module")
 def harness():
-    """``benchmarks/harness.py``, loaded by path (the scripts import it as ``harness``)."""
-    spec = importlib.util.spec_from_file_location("harness", os.path.join(BENCHMARKS, "harness.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("harness", module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    """``benchmarks.harness``, the module the scripts import."""
+    return _harness
 
 
 def _steps():
@@ -114,6 +112,27 @@ ENTRY %main (a: f32[4], t: (f32[4], s32[])) -> f32[4] {
     assert harness.kernel_bytes(int4) == 112 - 16 + 2 - 16 + 2   # int4: half a byte
 
 
+def test_a_report_names_the_script_as_a_module(harness, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [os.path.join(BENCHMARKS, "bench_policy.py"), "--quick"])
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert harness.command_line() == "python -m benchmarks.bench_policy --quick"
+
+
+def test_a_child_process_imports_the_library_it_is_given(harness, tmp_path):
+    """``run_child(..., library=...)``: that checkout's jmp_policy, this checkout's
+    benchmarks (whatever the other checkout holds), whichever directory Python starts in."""
+    other = tmp_path / "checkout"
+    (other / "jmp_policy").mkdir(parents=True)
+    (other / "jmp_policy" / "__init__.py").write_text("WHERE = 'other'\n")
+    (other / "benchmarks").mkdir()
+    (other / "benchmarks" / "__init__.py").write_text("")
+    code = "import benchmarks, jmp_policy; print(jmp_policy.WHERE, benchmarks.__file__)"
+    with harness.child_environment(str(other)) as (env, _):
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(other),
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "other" and os.path.dirname(out[1]) == BENCHMARKS
+
+
 def test_scripts_use_the_public_api_and_leave_sys_path_alone():
     for name in sorted(os.listdir(BENCHMARKS)):
         if not name.endswith(".py"):
@@ -149,18 +168,17 @@ ENTRY %main (a: bf16[8,16], b: bf16[16,32], c: f8e4m3fn[8,16], e: f8e4m3fn[16,32
 """
 
 
-def test_roofline_reads_gemms_and_bytes_of_a_known_module():
+def test_roofline_reads_gemms_and_bytes_of_a_known_module(harness):
     """Without the CUDA plugin: a cuBLAS call and a Triton GEMM fusion are GEMMs of
     2*M*N*K FLOPs, split by operand type; bytes are operands + result (no workspace)."""
-    import xla_gpu  # loads benchmarks/ modules by path
+    from benchmarks import roofline
 
-    xla_gpu.benchmark("gpu_fp8")
-    roofline = xla_gpu.benchmark("roofline")
-    ks = {k.name: k for k in roofline.kernels(_ROOFLINE_HLO)}
+    ks = {k.name: k for k in harness.kernels(_ROOFLINE_HLO)}
     assert list(ks) == ["g", "t", "y", "s"]
     assert (ks["g"].flops, ks["g"].gemm_dtype, ks["g"].bytes) == (2 * 8 * 32 * 16, "bf16", 1792)
     assert (ks["t"].flops, ks["t"].gemm_dtype, ks["t"].bytes) == (2 * 8 * 32 * 16, "f8", 1664)
     assert not ks["y"].is_gemm and ks["s"].bytes == 3 * 1024
+    assert harness.gemm_counts(_ROOFLINE_HLO) == {"gemms": 2, "f8_gemms": 1}
     roofline.check_bytes(list(ks.values()), _ROOFLINE_HLO)  # = kernel_bytes less the workspace
     m = roofline.Machine(bf16_flops=1e12, bandwidth=1e9, launch_s=1e-6)
     f = roofline.predict(list(ks.values()), m)
@@ -180,13 +198,11 @@ def _requires_cuda_plugin(test):
 def test_roofline_smoke_run(tmp_path):
     """``roofline.py --smoke`` compiles gpu_fp8's MLP block for an H100 (no GPU) and
     reports six GEMMs per program, all float8 under a float8 recipe."""
-    import subprocess
 
     out = tmp_path / "roofline.json"
     root = os.path.dirname(BENCHMARKS)
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(root),
-           "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
-    proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "roofline.py"), "--smoke",
+    env = {**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.roofline", "--smoke",
                            "--json", str(out)], cwd=root, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

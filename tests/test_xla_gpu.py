@@ -9,8 +9,8 @@ GEMMs, and has its own compile-time traps. Run the tier with the CUDA plugin ins
     python -m pytest -m xla_gpu -q tests/test_xla_gpu.py
 
 Without the plugin every test here skips. ``JMP_POLICY_XLA_GPU_FIGURES=<path>`` writes the
-figures the tests read (sites, roundings kept, GEMMs, compile times) to a JSON file
-(benchmarks/results/xla_gpu_tier.json holds them for the commits named there).
+figures the tests read (sites, roundings kept, GEMMs, compile times) to a JSON file, to
+compare two runs of the tier (a commit before a change and the tree after it).
 """
 
 from __future__ import annotations
@@ -276,8 +276,8 @@ def test_rowwise_compiles_about_as_fast_as_tensorwise(program):
     maximum per operand and a rescale per product, which cost XLA no more than a
     fraction of the compile. A slow compile has two kinds of cause: XLA's HLO passes
     (constant folding among them) and the autotuning of GEMMs. A deviceless compile
-    runs the first but not the second, so this sees the first kind of cause only; on a GPU it sees both (`benchmarks/gpu_fp8_compile.py` tells
-    them apart).
+    runs the first but not the second, so this sees the first kind of cause only; on a
+    GPU it sees both.
     """
     build = {"mlp train step": _mlp_train_step, "summed product": _summed_product}[program]
     seconds: Dict[str, float] = {}
@@ -310,7 +310,7 @@ def test_a_parameter_adds_to_the_h100_step_a_few_times_what_adam_adds(name):
     """The HLO instructions one more parameter adds to an optimizer step's H100 program,
     against plain Adam's (as tests/test_optimizer_size.py for XLA:CPU). XLA:GPU's
     priority fusion, the longest pass here, takes a time about proportional to them
-    (benchmarks/results/compile_time_2026-11-27.md)."""
+    (benchmarks/results/compile_time.md)."""
     from compiled_kernels import instructions_per_leaf
 
     def compile(step: Callable[..., Any], *args: Any) -> str:

@@ -5,7 +5,7 @@ XLA:GPU rewrites programs in ways XLA:CPU, where the suite runs, does not: with
 ``convert(convert(x, narrow), wide)``, and it turns float8 products into
 cuBLASLt calls. JAX's ahead-of-time path compiles for a GPU described by a
 target description, with the CUDA plugin's compiler and no GPU
-(`benchmarks/harness.py`'s ``H100_TARGET``, which ``bench_xla_gpu_memory``
+(`benchmarks.harness`'s ``H100_TARGET``, which ``bench_xla_gpu_memory``
 uses too), so the optimized H100 program can be read on any machine.
 
 The CUDA plugin is a 4 GB install the ordinary suite does not need: without it
@@ -18,9 +18,7 @@ import collections
 import contextlib
 import functools
 import importlib.util
-import os
 import re
-import sys
 import time
 from typing import Any, Callable, Counter, Dict, Iterator, List, Optional, Tuple
 
@@ -30,10 +28,9 @@ import numpy as np
 import pytest
 
 import jaxpr_walk
+from benchmarks import harness  # the H100's description (one place for it)
 
 SKIP_REASON = "needs the CUDA plugin: pip install -e '.[test,xla-gpu]' — no GPU needed"
-
-_BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
 
 
 def plugin_missing() -> Optional[str]:
@@ -49,28 +46,9 @@ def plugin_missing() -> Optional[str]:
 requires_plugin = pytest.mark.skipif(plugin_missing() is not None, reason=SKIP_REASON)
 
 
-def _harness() -> Any:
-    """``benchmarks/harness.py``, which holds the H100's description (one place for it)."""
-    if "harness" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("harness",
-                                                      os.path.join(_BENCHMARKS, "harness.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["harness"] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
-    return sys.modules["harness"]
-
-
-harness = _harness()
-
-
 def benchmark(name: str) -> Any:
-    """``benchmarks/<name>.py`` as a module (its programs, built the way it builds them)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(_BENCHMARKS, f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """``benchmarks.<name>`` (its programs, built the way it builds them)."""
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,7 +67,7 @@ def h100() -> Any:
 
 def on_h100(tree: Any) -> Any:
     """``jax.ShapeDtypeStruct`` s of ``tree`` 's arrays (or of its specs), on the H100."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h100()), tree)
+    return harness.on_target(tree, h100())
 
 
 @contextlib.contextmanager
