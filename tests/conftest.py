@@ -6,7 +6,7 @@ import os
 # The tests check behaviour and XLA's HLO-level figures (bytes accessed, copies), not
 # the speed of the generated CPU code: skipping LLVM's optimization of it halves the
 # compile time that dominates the suite, and on jaxlib 0.10 XLA:CPU's older kernel
-# emitters compile the suite's small programs 2.6x faster than its fusion emitters
+# emitters compile the suite's small programs several times faster than its fusion emitters
 # (later jaxlibs have only the latter, and refuse the flag). Set before the first
 # computation, when JAX reads XLA_FLAGS; subprocesses started by the tests inherit it.
 # The flags as the user set them, for the few tests that need XLA's default code

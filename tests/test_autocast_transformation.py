@@ -1,7 +1,7 @@
 """Autocast behaves as a JAX transformation: one regression test per failure users met.
 
-Each test is named after what a user saw go wrong with the cached-jaxpr autocast
-(issue 24): stale closures, traced Python values, lost NNX state, a float16
+Each test is named after what a user could see go wrong with an autocast that reused
+a jaxpr across calls: stale closures, traced Python values, lost NNX state, a float16
 loss capping the loss scale, dropped casts, NaN float8 gradients on padded
 batches, the smaller API gaps, module scopes outside linen, narrowed
 auxiliary outputs.

@@ -85,8 +85,8 @@ def test_split_reproduces_float32_master_training_bit_for_bit(xla_cpu):
 
     Two programs agree bit for bit where the compiler rounds alike in both:
     XLA:CPU does; XLA:GPU fuses each copy of the model and of AdamW on its own
-    (excess precision, contracted multiply-adds), and on an H100 the two runs
-    drifted apart (2026-11-25). Hence the CPU backend, on every machine.
+    (excess precision, contracted multiply-adds), and on a GPU the two runs drift
+    apart. Hence the CPU backend, on every machine.
     """
     pytest.importorskip("flax")
     pytest.importorskip("sklearn")

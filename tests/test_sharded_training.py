@@ -1,5 +1,4 @@
-"""Optimizer states, loss scaling and mixture-of-experts products on sharded arrays
-(issue 35, point 2).
+"""Optimizer states, loss scaling and mixture-of-experts products on sharded arrays.
 
 A train step as a user writes it (``jit`` around ``value_and_grad``, the optimizer's
 ``update`` and ``optax.apply_updates``) on a mesh of 8 simulated CPU devices, with

@@ -309,8 +309,7 @@ STEP_SIZES = {
 def test_a_parameter_adds_to_the_h100_step_a_few_times_what_adam_adds(name):
     """The HLO instructions one more parameter adds to an optimizer step's H100 program,
     against plain Adam's (as tests/test_optimizer_size.py for XLA:CPU). XLA:GPU's
-    priority fusion, the longest pass here, takes a time about proportional to them
-    (benchmarks/results/compile_time.md)."""
+    priority fusion, the longest pass here, takes a time about proportional to them."""
     from compiled_kernels import instructions_per_leaf
 
     def compile(step: Callable[..., Any], *args: Any) -> str:
