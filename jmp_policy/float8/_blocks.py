@@ -135,7 +135,7 @@ def nv_scale(amax: jax.Array) -> jax.Array:
 def nv_tensor_scale(x: Any) -> jax.Array:
     """NVFP4's per-tensor scale of ``x``: its absolute maximum over `NVFP4_RANGE` (at least
     ``2**-100`` over it; inf for an inf maximum, NaN for NaN)."""
-    amax = jnp.max(jnp.abs(lax.convert_element_type(x, _F32)))
+    amax = jnp.max(jnp.abs(formats.widen(x)))
     return lax.div(lax.max(amax, _TINY_AMAX), NVFP4_RANGE)
 
 
@@ -187,7 +187,7 @@ def quantize_blocks(x: Any, scaling: str, dtype: Any, *, seed: Optional[jax.Arra
     [[0.5, -1.0, 3.0, 6.0], [6.0, 6.0, 6.0, 6.0]]
     """
     # A constant x (a linear loss's cotangent) is not reduced to its scales when compiled.
-    x = unfoldable(lax.convert_element_type(x, _F32))
+    x = unfoldable(formats.widen(x))
     block = BLOCK_SIZES[scaling]
     if jnp.shape(x)[-1] % block:
         raise ValueError(f"{scaling} quantizes blocks of {block} along the last axis, "
@@ -215,7 +215,7 @@ def segment_tensor_scales(x: Any, segments: Segments) -> jax.Array:
     or matrix), ``[count]``: a mixture of experts' operands hold one tensor per expert,
     whose magnitudes may differ by more than the e4m3 block scales span."""
     ids, count = segments
-    rows = jnp.max(jnp.abs(unfoldable(lax.convert_element_type(x, _F32))),
+    rows = jnp.max(jnp.abs(unfoldable(formats.widen(x))),
                    axis=tuple(range(1, jnp.ndim(x))))
     amax = jnp.maximum(jax.ops.segment_max(rows, ids, count, indices_are_sorted=True), 0)
     return lax.div(lax.max(amax, _TINY_AMAX), NVFP4_RANGE)
@@ -268,7 +268,7 @@ def dequantized_in_groups(x: Any, ids: jax.Array, sizes: jax.Array, scaling: str
     no block mixes two groups' rows, and dequantized: returns (float32 ``[m, c]``, tensor
     scales: NVFP4's one per group, ``[groups]``). The operands of a ragged product's weight gradient, which sums each group's
     rows. Rows in no group must be zero; they stay zero."""
-    x = unfoldable(lax.convert_element_type(x, _F32))
+    x = unfoldable(formats.widen(x))
     m, block, groups = jnp.shape(x)[0], BLOCK_SIZES[scaling], jnp.shape(sizes)[0]
     tensor_scale = jnp.ones((), _F32)
     if scaling == "nvfp4":  # one per group (expert), as in `dequantized_along`
