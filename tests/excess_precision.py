@@ -223,7 +223,7 @@ class _JaxCompilingAsOnAGpu(types.ModuleType):
 def inspect_as_on_a_gpu(monkeypatch: Any) -> None:
     """Makes `jmp_policy.inspect_numerics` compile its programs with the emulation (until
     ``monkeypatch`` undoes it), so that its statistics are those of the program XLA:GPU
-    runs: the inspector jits its program itself (jmp_policy/inspector.py), and the
-    ``jax`` it reads ``jit`` from is replaced."""
-    import jmp_policy.inspector
-    monkeypatch.setattr(jmp_policy.inspector, "jax", _JaxCompilingAsOnAGpu())
+    runs: the inspector jits its program itself (jmp_policy/inspector/_report.py), and
+    the ``jax`` it reads ``jit`` from is replaced."""
+    from jmp_policy.inspector import _report
+    monkeypatch.setattr(_report, "jax", _JaxCompilingAsOnAGpu())

@@ -237,11 +237,10 @@ def quantized_product(eqn: JaxprEqn, recipe: Float8Recipe, scheme: Scheme,
     fwd, d_lhs, d_rhs = layout.forward, layout.lhs_gradient, layout.rhs_gradient
 
     def seed(c: Contraction) -> Optional[jax.Array]:
-        # Fixed, the values salting the bits: the salt tells apart the two backward
-        # contractions' roundings of g.
-        salt = 1 if c is d_lhs else 2
-        return jnp.asarray(np.array([salt, _SEED_WORD], np.uint32)) \
-            if recipe.stochastic_rounding else None
+        # Fixed, the values salting the bits; a stream per backward contraction's g.
+        streams = formats.SEED_STREAMS
+        stream = streams.lhs_gradient if c is d_lhs else streams.rhs_gradient
+        return formats.fixed_seed(stream) if recipe.stochastic_rounding else None
 
     def forward(a: Any, b: Any, h: Optional[AmaxHistory], rest: Sequence[Any],
                 saved: bool = False) -> tuple[Any, Any]:
@@ -409,10 +408,6 @@ def _shape(x: Any) -> str:
 def _scope(eqn: JaxprEqn) -> str:
     scope = str(eqn.source_info.name_stack)
     return f" under {scope!r}" if scope else ""
-
-
-_SEED_WORD = 0x5EED5A17
-"""The second word of the backward roundings' seeds (the first tells the two apart)."""
 
 
 def _made_together(tree: Any) -> Any:

@@ -59,12 +59,6 @@ Seed = Union[int, jax.Array]
 METHODS = ("kahan", "stochastic", "split")
 ROUNDINGS = ("stochastic", "nearest")
 
-# Distinct streams for the two transformations, so that the same seed given
-# to both does not round the weights and the moments with the same numbers.
-_PARAMS_STREAM = 1
-_STATE_STREAM = 2
-
-
 class KahanState(NamedTuple):
     """State of ``low_precision_params(inner, "kahan")``.
 
@@ -141,12 +135,8 @@ class CastState(NamedTuple):
 LowPrecisionState = Union[KahanState, StochasticRoundingState, SplitState]
 
 
-def low_precision_params(
-    inner: optax.GradientTransformation,
-    method: str = "kahan",
-    *,
-    seed: Seed = 0,
-) -> optax.GradientTransformationExtraArgs:
+def low_precision_params(inner: optax.GradientTransformation, method: str = "kahan", *,
+                         seed: Seed = 0) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` so that bfloat16 (or float16) parameters train like float32 ones.
 
     Args:
@@ -192,64 +182,82 @@ def low_precision_params(
     (dtype(bfloat16), True)
     """
     method = _check_choice("low_precision_params", "method", method, METHODS)
-    key, impl = _key_data(seed, _PARAMS_STREAM, "low_precision_params")
+    key, impl = _key_data(seed, formats.SEED_STREAMS.low_precision_params,
+                          "low_precision_params")
     inner = optax.with_extra_args_support(inner)
     warn_once = _WarnOnce(_misuse_message(method))
 
     def init_fn(params: optax.Params) -> LowPrecisionState:
-        handled = _handled_leaves(params, method, warn=True)
-        inner_state = inner.init(_widened(params, handled))
-        _refuse_inner_loss_scaling("low_precision_params", inner_state)
-        # No update has landed yet: the buffers say nothing about the weights, so
-        # weights changed before the first update (pretrained ones loaded) are fine.
-        landed = jnp.full_like(_samples(params, handled), _NOT_LANDED)
-        if method == "kahan":
-            # -0.0, the additive identity: x + (-0.0) is x for every x, -0.0 included.
-            return KahanState(inner_state, _buffers(params, handled, lambda p: -jnp.zeros_like(p)),
-                              landed)
-        if method == "split":
-            return SplitState(inner_state,
-                              _buffers(params, handled, lambda p: jnp.zeros_like(p, jnp.uint16)),
-                              landed)
-        return StochasticRoundingState(
-            inner_state, key, _buffers(params, handled, lambda p: jnp.zeros((), p.dtype)), landed)
+        return _initial_state(inner, method, key, params)
 
-    def update_fn(
-        grads: optax.Updates,
-        state: LowPrecisionState,
-        params: Optional[optax.Params] = None,
-        **extra_args: Any,
-    ) -> Tuple[optax.Updates, LowPrecisionState]:
+    def update_fn(grads: optax.Updates, state: LowPrecisionState,
+                  params: Optional[optax.Params] = None,
+                  **extra_args: Any) -> Tuple[optax.Updates, LowPrecisionState]:
         _check_update_args(method, state, params)
-        handled = _handled_leaves(params, method)
-        _check_still_narrow(method, state, handled)
-        zero = _check_landed(state.landed, params, handled, warn_once)
-        grads = _after(zero, _widened(grads, handled), handled)
-        seen = _params_seen_by_inner(params, state, handled)
-        updates, inner_state = inner.update(grads, state.inner_state, seen, **extra_args)
-        if isinstance(state, KahanState):
-            updates, compensation = _per_leaf(_kahan_step, handled, params, updates,
-                                              state.compensation)
-            new_state: LowPrecisionState = KahanState(inner_state, compensation, state.landed)
-        elif isinstance(state, SplitState):
-            updates, low_bits = _per_leaf(_split_step, handled, seen, updates, params)
-            new_state = SplitState(inner_state, low_bits, state.landed)
-        else:
-            next_key, seed = _step_seed(state.key, impl)
-            updates, _ = _per_leaf(functools.partial(_stochastic_step, seed=seed), handled,
-                                   params, updates)
-            new_state = StochasticRoundingState(inner_state, next_key, state.dtypes, state.landed)
-        return updates, new_state._replace(landed=_landed(params, updates, handled))
+        return _updated(inner, method, impl, warn_once, grads, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _updated(inner: optax.GradientTransformationExtraArgs, method: str, impl: Any,
+             warn_once: "_WarnOnce", grads: optax.Updates, state: LowPrecisionState,
+             params: optax.Params,
+             extra_args: dict[str, Any]) -> Tuple[optax.Updates, LowPrecisionState]:
+    """`low_precision_params`' update: checks, the inner update in float32, the method's
+    step, and the sampled weights of the next check."""
+    handled = _handled_leaves(params, method)
+    _check_still_narrow(method, state, handled)
+    zero = _check_landed(state.landed, params, handled, warn_once)
+    grads = _after(zero, _widened(grads, handled), handled)
+    seen = _params_seen_by_inner(params, state, handled)
+    updates, inner_state = inner.update(grads, state.inner_state, seen, **extra_args)
+    updates, new_state = _stepped(state, inner_state, handled, params, seen, updates, impl)
+    return updates, new_state._replace(landed=_landed(params, updates, handled))
+
+
+def _initial_state(inner: optax.GradientTransformationExtraArgs, method: str, key: jax.Array,
+                   params: optax.Params) -> LowPrecisionState:
+    """`low_precision_params`' state for ``params``: the inner optimizer's, and the
+    method's buffers."""
+    handled = _handled_leaves(params, method, warn=True)
+    inner_state = inner.init(_widened(params, handled))
+    _refuse_inner_loss_scaling("low_precision_params", inner_state)
+    # No update has landed yet: the buffers say nothing about the weights, so
+    # weights changed before the first update (pretrained ones loaded) are fine.
+    landed = jnp.full_like(_samples(params, handled), _NOT_LANDED)
+    if method == "kahan":
+        # -0.0, the additive identity: x + (-0.0) is x for every x, -0.0 included.
+        return KahanState(inner_state, _buffers(params, handled, lambda p: -jnp.zeros_like(p)),
+                          landed)
+    if method == "split":
+        return SplitState(inner_state,
+                          _buffers(params, handled, lambda p: jnp.zeros_like(p, jnp.uint16)),
+                          landed)
+    return StochasticRoundingState(
+        inner_state, key, _buffers(params, handled, lambda p: jnp.zeros((), p.dtype)), landed)
+
+
+def _stepped(state: LowPrecisionState, inner_state: optax.OptState, handled: Any,
+             params: Any, seen: Any, updates: Any,
+             impl: Any) -> Tuple[optax.Updates, LowPrecisionState]:
+    """The method's step on every handled parameter: the updates that take each weight to
+    its new value, and the new state (``landed`` as it was)."""
+    if isinstance(state, KahanState):
+        updates, compensation = _per_leaf(_kahan_step, handled, params, updates,
+                                          state.compensation)
+        return updates, KahanState(inner_state, compensation, state.landed)
+    if isinstance(state, SplitState):
+        updates, low_bits = _per_leaf(_split_step, handled, seen, updates, params)
+        return updates, SplitState(inner_state, low_bits, state.landed)
+    next_key, seed = _step_seed(state.key, impl)
+    updates, _ = _per_leaf(functools.partial(_stochastic_step, seed=seed), handled,
+                           params, updates)
+    return updates, StochasticRoundingState(inner_state, next_key, state.dtypes, state.landed)
+
+
 def cast_state(
-    inner: optax.GradientTransformation,
-    dtype: Any = jnp.bfloat16,
-    *,
-    rounding: str = "stochastic",
-    seed: Seed = 0,
+    inner: optax.GradientTransformation, dtype: Any = jnp.bfloat16, *,
+    rounding: str = "stochastic", seed: Seed = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Stores ``inner``'s state in ``dtype``; ``inner`` still computes in float32.
 
@@ -282,7 +290,7 @@ def cast_state(
     """
     dtype = _narrow_dtype(dtype)
     rounding = _check_choice("cast_state", "rounding", rounding, ROUNDINGS)
-    data, impl = _key_data(seed, _STATE_STREAM, "cast_state")
+    data, impl = _key_data(seed, formats.SEED_STREAMS.cast_state, "cast_state")
     key = data if rounding == "stochastic" else None
     inner = optax.with_extra_args_support(inner)
 
@@ -355,7 +363,7 @@ def _kahan_step(p: jax.Array, update: jax.Array, c: jax.Array) -> Tuple[jax.Arra
 
 
 def _stochastic_step(p: jax.Array, update: jax.Array, *, seed: jax.Array) -> Tuple[jax.Array, None]:
-    return _update_to(p, _stochastic_round(p.astype(jnp.float32) + update, p.dtype, seed)), None
+    return _update_to(p, formats.encode(p.astype(jnp.float32) + update, p.dtype, seed)), None
 
 
 def _split_step(weight: jax.Array, update: jax.Array, p: jax.Array) -> Tuple[jax.Array, jax.Array]:
@@ -417,13 +425,6 @@ def _applied(p: jax.Array, update: jax.Array) -> jax.Array:
 
 def _bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-
-
-def _stochastic_round(x: jax.Array, dtype: Any, seed: jax.Array) -> jax.Array:
-    """Float32 ``x`` in ``dtype``, rounded stochastically (``formats.round_stochastic``:
-    for bfloat16, random bits added below its mantissa and dropped) with bits from
-    ``seed``, salted with the bits of ``x`` (see ``formats.random_bits``)."""
-    return formats.encode(x, dtype, formats.salted_bits(seed, x))
 
 
 def _split_float32(x: jax.Array) -> Tuple[jax.Array, jax.Array]:
@@ -680,7 +681,7 @@ def _narrowed(state: Any, dtype: Any, seed: Optional[jax.Array]) -> Any:
             return x
         if seed is None:
             return jnp.asarray(x).astype(dtype)
-        return _stochastic_round(jnp.asarray(x, jnp.float32), dtype, seed)
+        return formats.encode(jnp.asarray(x, jnp.float32), dtype, seed)
 
     return jax.tree_util.tree_map(narrow, state)
 
