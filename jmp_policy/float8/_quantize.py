@@ -31,7 +31,7 @@ from jax import lax
 
 from jmp_policy import formats
 from jmp_policy.formats import INF_BITS, below, magnitude_bits, positive, unfoldable, widen
-from jmp_policy.dtypes import dtype_of
+from jmp_policy.dtypes import F32, dtype_of
 from jmp_policy.float8._recipe import SCALINGS
 
 
@@ -56,9 +56,9 @@ def inverse_scale(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[i
     NaN rather than finite.
     """
     axes = _reduced_axes(jnp.ndim(x), scaling, contracting_axes)
-    # A constant x (a linear loss's cotangent) is not reduced when compiled.
-    x = unfoldable(widen(x))
-    amax = lax.reduce_max(lax.abs(x), axes) if axes else lax.abs(x)
+    x = unfoldable(x)  # a constant x (a linear loss's cotangent) is not reduced when compiled
+    amax = lax.convert_element_type(lax.reduce_max(lax.abs(x), axes), F32) if axes \
+        else lax.abs(lax.convert_element_type(x, F32))
     return lax.expand_dims(_factor(amax, dtype, power_of_two), axes)
 
 
@@ -92,16 +92,16 @@ def quantize(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int], 
     flush to zero only when they are that far below the maximum. A row
     (tensor) holding inf or NaN gets an inf or NaN scale and NaN values, so
     every product it enters is NaN, never finite. With a ``seed`` (two uint32 words), values
-    are rounded stochastically, else to nearest (``formats.encode``). A narrow ``x`` is
-    read as its format holds it (``formats.widen``).
+    are rounded stochastically, else to nearest (``formats.encode``; see `_operand`).
 
     >>> import jax.numpy as jnp
     >>> q, scale = quantize(jnp.array([3e-5, 1e-4]), jnp.float8_e4m3fn, "tensorwise", (0,))
     >>> scale.shape, [f"{v:.4g}" for v in (q.astype(jnp.float32) * scale).tolist()]
     ((1,), ['2.857e-05', '0.0001'])
     """
+    x = _operand(x, seed)
     inv = inverse_scale(x, dtype, scaling, contracting_axes, power_of_two)
-    scaled = lax.mul(widen(x), inv)
+    scaled = lax.mul(lax.convert_element_type(x, F32), inv)
     # No clamp needed: |x| * inv <= max * (1 + 2^-24)^2, which rounds to the format's max.
     q = formats.encode(scaled, dtype, seed)
     return q, lax.div(np.float32(1), inv)
@@ -126,7 +126,7 @@ def quantize_delayed(x: Any, dtype: Any, history: jax.Array, reduction: str, *,
     >>> (q.astype(jnp.float32) * scale).tolist(), float(amax)   # 4.0 saturates at 2.0
     ([1.0, 2.0], 4.0)
     """
-    x32 = widen(x)
+    x32 = lax.convert_element_type(_operand(x, seed), F32)
     top = formats.format_of(dtype).max
     amax = lax.reduce_max(lax.abs(x32), tuple(range(jnp.ndim(x))))
     recent = jnp.max(history) if reduction == "max" else history[0]
@@ -139,6 +139,15 @@ def quantize_delayed(x: Any, dtype: Any, history: jax.Array, reduction: str, *,
     q = lax.optimization_barrier(q)  # type: ignore[no-untyped-call]
     scale = lax.broadcast_in_dim(lax.div(np.float32(1), factor), (1,) * jnp.ndim(x), ())
     return q, scale, amax
+
+
+def _operand(x: Any, seed: Optional[jax.Array]) -> Any:
+    """The operand ``x`` to quantize: read as its format holds it (``formats.widen``) when
+    rounded stochastically (with a ``seed``), whose random bits are salted with the
+    values, so that excess precision the compiler keeps in one program and not in
+    another (a sharded one) changes no draw; as the program gives it otherwise, at a
+    conversion's cost."""
+    return x if seed is None else widen(x)
 
 
 def group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
@@ -193,11 +202,12 @@ def quantize_groups(x: Any, dtype: Any, ids: jax.Array, num_groups: int, *,
     """
     # Per-group maxima by a scatter-max: rows in no group are dropped, empty groups get
     # -inf (the bound in _factor makes them finite), NaN propagates as in lax.max.
-    amax = jax.ops.segment_max(lax.abs(unfoldable(widen(x))), ids, num_groups,
+    x = lax.convert_element_type(_operand(x, seed), F32)
+    amax = jax.ops.segment_max(lax.abs(unfoldable(x)), ids, num_groups,
                                indices_are_sorted=True)
     inv = _factor(amax, dtype, power_of_two)
     rows = jnp.take(inv, ids, axis=0, mode="fill", fill_value=0)
-    q = formats.encode(lax.mul(widen(x), rows), dtype, seed)  # rounded as in `quantize`
+    q = formats.encode(lax.mul(x, rows), dtype, seed)  # rounded as in `quantize`
     return q, lax.div(np.float32(1), inv)
 
 

@@ -87,10 +87,7 @@ class StochasticRoundingState(NamedTuple):
       dtypes: per low-precision parameter, a zero of its dtype
         (``optax.MaskedNode()`` for float32 parameters): what the next update
         checks the parameters against.
-      landed: a float32 array of 16 weights of each low-precision parameter
-        (strided over it flattened; all of a smaller one), in the order of the
-        leaves, as the last update left them: the next update compares its
-        parameters with them.
+      landed: the sampled weights the last update left, as in `KahanState`.
     """
 
     inner_state: optax.OptState
@@ -107,10 +104,7 @@ class SplitState(NamedTuple):
       low_bits: per bfloat16 parameter, a uint16 array of the low 16 bits of
         the float32 weight whose high 16 bits are the parameter
         (``optax.MaskedNode()`` for float32 parameters).
-      landed: a float32 array of 16 weights of each low-precision parameter
-        (strided over it flattened; all of a smaller one), in the order of the
-        leaves, as the last update left them: the next update compares its
-        parameters with them.
+      landed: the sampled weights the last update left, as in `KahanState`.
     """
 
     inner_state: optax.OptState
