@@ -464,11 +464,11 @@ def round_stochastic(x: Any, dtype: Any, bits: jax.Array) -> jax.Array:
     ``E[round(x)] = x``. ``bits`` are uniform uint32 random bits of ``x``'s shape
     (`random_bits`).
 
-    From the smallest subnormal up, the bits below ``dtype``'s grid are dropped after
-    adding as many random bits (`round_magnitude_stochastic`): exact. Below it, the
-    value rounds to 0 or the smallest subnormal, unbiased to ``2**-31`` of the smallest.
-    Values beyond the largest finite one, infs and NaNs round as `round_nearest` does; a
-    value below the largest never rounds above it.
+    In the normal range (and bfloat16's subnormals, which are float32's), the bits below
+    ``dtype``'s mantissa are dropped after adding as many random bits
+    (`round_bits_stochastic`): exact. Below `Format.tiny`, as
+    `round_magnitude_stochastic` says. Values beyond the largest finite one, infs and
+    NaNs round as `round_nearest` does; a value below the largest never rounds above it.
 
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> bits = random_bits(jnp.array([1, 2], jnp.uint32), (4000,))
@@ -483,7 +483,7 @@ def round_stochastic(x: Any, dtype: Any, bits: jax.Array) -> jax.Array:
     sign, magnitude = split_sign(x)
     # As in `_nearest_magnitude`, each case sees the magnitude clamped to its side of a
     # boundary that is on the grid, where the other cases give the boundary itself: the
-    # largest value (a value below it never rounds above it) and the smallest.
+    # largest value (a value below it never rounds above it) and tiny.
     top = pattern(fmt.max)
     rounded = round_magnitude_stochastic(lax.min(magnitude, top), fmt, bits)
     # At least the largest value: to nearest (tiny is below, so no subnormal part).
@@ -491,18 +491,25 @@ def round_stochastic(x: Any, dtype: Any, bits: jax.Array) -> jax.Array:
     return _overflowed(lax.add(lax.sub(beyond, top), rounded), sign, fmt)
 
 
-def round_magnitude_stochastic(magnitude: Any, dtype: Any, bits: jax.Array) -> jax.Array:
+def round_magnitude_stochastic(magnitude: Any, dtype: Any, bits: jax.Array, *,
+                               raised_below_smallest: bool = False) -> jax.Array:
     """The int32 pattern of a float32 magnitude (``magnitude``: a pattern, int32, at most
     ``dtype``'s largest value, or inf's pattern, which stays inf) rounded stochastically
     to ``dtype``'s grid, as `round_stochastic` rounds it: for callers that keep the sign
     apart and know their values within the format's range (the codes of
     ``quantize_state``).
 
-    From the smallest subnormal up, the bits below the grid (`dropped_bits`: one more per
-    binade below `Format.tiny`) are rounded away (`round_bits_stochastic`): exact. Below
-    it, the magnitude rounds to 0 or the smallest subnormal: in fixed point with 31 bits
-    below the smallest, as many random bits added and dropped (unbiased to ``2**-31`` of
-    the smallest).
+    From `Format.tiny` up, the bits below the mantissa are rounded away
+    (`round_bits_stochastic`): exact. Below it, the value in fixed point, with
+    ``31 - mantissa`` bits below the smallest subnormal, gets as many random bits and
+    is truncated: unbiased to ``2**-(31 - mantissa)`` of the smallest subnormal.
+
+    With ``raised_below_smallest``, for a caller that raises every nonzero magnitude to
+    at least the smallest subnormal (``quantize_state``'s "nonzero stays nonzero"),
+    the rounding is a handful of integer operations fewer: the bits below the grid
+    (`dropped_bits`, one more per binade below tiny) are rounded away, exact from the
+    smallest subnormal up; a magnitude below it rounds to a power of two at most the
+    smallest, off the grid, which the caller raises.
 
     >>> pattern = np.float32([4.5, 0.25]).view(np.int32)     # float4: 4 or 6; 0 or 0.5
     >>> f = lambda u: jax.lax.bitcast_convert_type(round_magnitude_stochastic(
@@ -511,27 +518,31 @@ def round_magnitude_stochastic(magnitude: Any, dtype: Any, bits: jax.Array) -> j
     ([4.0, 0.0], [6.0, 0.5])
     """
     fmt = format_of(dtype)
+    dropped = _MANTISSA_BITS - fmt.mantissa
     if fmt.f32_range:  # float32's subnormals have float32's spacing too
-        return round_bits_stochastic(magnitude, _MANTISSA_BITS - fmt.mantissa, bits)
-    # As in `_nearest_magnitude`, each part sees the magnitude clamped to its side of the
-    # smallest subnormal, where the other part gives the smallest itself.
-    smallest = pattern(fmt.smallest)
-    above = lax.max(magnitude, smallest)
-    return lax.add(lax.sub(round_bits_stochastic(above, dropped_bits(above, fmt), bits),
-                           smallest),
-                   _below_smallest(lax.min(magnitude, smallest), fmt, bits))
+        return round_bits_stochastic(magnitude, dropped, bits)
+    if raised_below_smallest:
+        return round_bits_stochastic(magnitude, dropped_bits(magnitude, fmt), bits)
+    # As in `_nearest_magnitude`, each part sees the magnitude clamped to its side of
+    # tiny, where the other part gives tiny itself.
+    tiny = pattern(fmt.tiny)
+    return lax.add(lax.sub(round_bits_stochastic(lax.max(magnitude, tiny), dropped, bits), tiny),
+                   _subnormal_stochastic(lax.min(magnitude, tiny), fmt, bits))
 
 
-def _below_smallest(low: jax.Array, fmt: Format, bits: jax.Array) -> jax.Array:
-    """The pattern of magnitude ``low`` (a pattern, at most `Format.smallest`'s) rounded
-    stochastically to 0 or the smallest: in fixed point with 31 bits below the smallest
-    (the smallest is ``2**31``; the conversion truncates), 31 random bits added and
-    dropped."""
-    fixed = lax.convert_element_type(
-        lax.mul(as_float(low), _two_to(31 - fmt.min_exponent + fmt.mantissa)), _U32)
-    up = lax.shift_right_logical(lax.add(fixed, lax.shift_right_logical(bits, _U32(1))),
-                                 _U32(31))
-    return lax.mul(lax.convert_element_type(up, I32), pattern(fmt.smallest))
+def _subnormal_stochastic(low: jax.Array, fmt: Format, bits: jax.Array) -> jax.Array:
+    """The pattern of magnitude ``low`` (a pattern, at most `Format.tiny`'s) rounded
+    stochastically to a multiple of `Format.smallest`: in fixed point with ``31 - mantissa``
+    bits below the smallest (tiny is ``2**31``; the conversion truncates), as many random
+    bits added and dropped, and the count of smallest subnormals back in float32 (exact:
+    at most ``2**mantissa``)."""
+    fraction = 31 - fmt.mantissa
+    fixed = lax.convert_element_type(lax.mul(as_float(low), _two_to(31 - fmt.min_exponent)),
+                                     _U32)
+    count = lax.shift_right_logical(
+        lax.add(fixed, lax.shift_right_logical(bits, _U32(32 - fraction))), _U32(fraction))
+    value = lax.mul(lax.convert_element_type(count, _F32), np.float32(fmt.smallest))
+    return lax.bitcast_convert_type(value, I32)
 
 
 def _stochastic_in_f32_range(x: jax.Array, fmt: Format, bits: jax.Array) -> jax.Array:

@@ -392,14 +392,16 @@ def _times_scales(values: jax.Array, exponents: jax.Array) -> jax.Array:
 # kernels that quantize each array small (their size is the step's compile time).
 # --------------------------------------------------------------------------- #
 
-def _rounded(magnitude: jax.Array, grid: Any, bits: Optional[jax.Array]) -> jax.Array:
+def _rounded(magnitude: jax.Array, grid: Any, bits: Optional[jax.Array],
+             raised_below_smallest: bool = False) -> jax.Array:
     """``magnitude`` (a pattern, within ``grid``'s range) rounded to ``grid`` (a dtype or a
-    ``formats.Format``), as a pattern."""
+    ``formats.Format``), as a pattern (see ``formats.round_magnitude_stochastic`` for
+    ``raised_below_smallest``)."""
     if bits is None:
-        nearest = formats.round_nearest(jax.lax.bitcast_convert_type(magnitude, jnp.float32),
-                                         grid)
-        return jax.lax.bitcast_convert_type(nearest, jnp.int32)
-    return formats.round_magnitude_stochastic(magnitude, grid, bits)
+        return jax.lax.bitcast_convert_type(
+            formats.round_nearest(formats.as_float(magnitude), grid), jnp.int32)
+    return formats.round_magnitude_stochastic(magnitude, grid, bits,
+                                              raised_below_smallest=raised_below_smallest)
 
 
 # float8_e4m3fn's subnormals are 2**-9 apart.
@@ -410,7 +412,8 @@ _F8_SMALLEST = formats.pattern(formats.format_of(_F8).smallest)
 def _float8(y: jax.Array, bits: Optional[jax.Array]) -> jax.Array:
     sign, magnitude = formats.split_sign(y)
     # NaN as inf: the conversion makes both NaN (float8_e4m3fn has no inf).
-    rounded = _rounded(jnp.minimum(magnitude, formats.INF_BITS), _F8, bits)
+    rounded = _rounded(jnp.minimum(magnitude, formats.INF_BITS), _F8, bits,
+                       raised_below_smallest=True)
     # Nonzero stays nonzero: a nonzero magnitude rounded below the smallest float8 one
     # is that one (with the value's sign).
     rounded = jnp.maximum(rounded, _F8_SMALLEST & formats.nonzero_mask(magnitude))
