@@ -10,7 +10,8 @@ a bit pattern: the float8 and block-scaled products, the numerics inspector,
   dtype (the 4-bit codes of ``quantize_state``);
 * **bit patterns** of float32 values, as int32: sign and magnitude, masks made
   by shifts instead of comparisons, exponent fields and the powers of two they
-  stand for (`power_of_two`, `floor_power_of_two`);
+  stand for (`power_of_two`, `floor_power_of_two`), float32 as two halves
+  (`split_float32`);
 * **rounding**, in float32, with ``lax.reduce_precision``, ``lax.round``,
   bitcasts and integer operations only: `round_nearest` gives bit for bit the
   value that ``convert(x, dtype)`` gives (ties to even, subnormals, overflow to
@@ -23,7 +24,9 @@ a bit pattern: the float8 and block-scaled products, the numerics inspector,
   (`scale_exponent`, `block_exponent`, `e8m0_scale`) and NVFP4's float8 one
   (`e4m3_scale`);
 * **random bits** for stochastic rounding (`random_bits`), and the one table of
-  the seed streams of the library's roundings (`SEED_STREAMS`).
+  the seed streams of the library's roundings (`SEED_STREAMS`);
+* `unfoldable`, which keeps XLA from reducing a constant array when it compiles
+  (the statistics and scales computed from bit patterns reduce whole arrays).
 
 Why not ``x.astype(dtype).astype(jnp.float32)``? Under ``jit``, XLA:GPU (with
 ``xla_allow_excess_precision``, its default) replaces a float round trip
@@ -35,10 +38,11 @@ removes them.
 **Random bits do not depend on the sharding.** An element's random bits are a
 hash of the seed, the element's index in the whole array (row-major, counted
 on the global shape, never a shard's) and, where the rounding is salted, the
-bits of its value as its format holds it (narrow inputs are read with `widen`,
-so excess precision that the compiler keeps in one program and not in another
-changes nothing). A sharded array therefore rounds, bit for bit, as the same
-array on one device. The other side of the rule: a value repeated at the same
+bits of its value as its format holds it: the quantizers read a narrow operand
+that they round stochastically with `widen`, so excess precision that the
+compiler keeps in one program and not in another (a sharded one) changes no
+draw. A sharded array therefore rounds, bit for bit, as the same array on one
+device. The other side of the rule: a value repeated at the same
 position of an array of the same shape, rounded with the same seed, rounds the
 same way. The optimizer transformations draw a new seed every step; the
 stateless products use a fixed seed (`fixed_seed`), so there an element that
@@ -72,7 +76,8 @@ __all__ = [
     # bit patterns
     "I32", "SIGN_BIT", "INF_BITS", "pattern", "split_sign", "magnitude_bits", "as_float",
     "negative_mask", "nonzero_mask", "finite_mask", "below", "positive", "where_bits",
-    "exponent_field", "power_of_two", "floor_power_of_two",
+    "exponent_field", "power_of_two", "floor_power_of_two", "bits_of", "split_float32",
+    "join_float32",
     # rounding
     "round_nearest", "rounding_p", "round_stochastic", "round_magnitude_stochastic",
     "round_bits_stochastic", "dropped_bits", "widen", "encode", "saturate",
@@ -313,6 +318,32 @@ def floor_power_of_two(x: Any) -> jax.Array:
     """
     x = lax.convert_element_type(x, _F32)
     return lax.select(lax.ne(x, x), x, power_of_two(exponent_field(x)))
+
+
+def bits_of(x: Any) -> jax.Array:
+    """The bit pattern of floating ``x``, as the unsigned integer of its width (a bitwise
+    comparison tells -0.0 from 0.0 and one NaN from another)."""
+    x = jnp.asarray(x)
+    return lax.bitcast_convert_type(x, np.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def split_float32(x: Any) -> tuple[jax.Array, jax.Array]:
+    """Float32 ``x`` as its high 16 bits, a bfloat16 (``x`` truncated), and its low 16
+    bits (uint16): bfloat16 is float32's upper half.
+
+    >>> high, low = split_float32(jnp.array([1.0 + 2.0 ** -12]))
+    >>> high.tolist(), low.tolist(), join_float32(high, low).tolist()
+    ([1.0], [2048], [1.000244140625])
+    """
+    x_bits = bits_of(lax.convert_element_type(x, _F32))
+    high = lax.bitcast_convert_type((x_bits >> 16).astype(jnp.uint16), jnp.bfloat16)
+    return high, (x_bits & 0xFFFF).astype(jnp.uint16)
+
+
+def join_float32(high: Any, low: Any) -> jax.Array:
+    """The inverse of `split_float32`: the float32 of bfloat16 ``high`` and uint16 ``low``."""
+    x_bits = (bits_of(high).astype(jnp.uint32) << 16) | jnp.asarray(low).astype(jnp.uint32)
+    return lax.bitcast_convert_type(x_bits, _F32)
 
 
 # --- Rounding to nearest ---------------------------------------------------------------------

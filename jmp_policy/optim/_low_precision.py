@@ -362,7 +362,7 @@ def _stochastic_step(p: jax.Array, update: jax.Array, *, seed: jax.Array) -> Tup
 
 def _split_step(weight: jax.Array, update: jax.Array, p: jax.Array) -> Tuple[jax.Array, jax.Array]:
     # The same float32 addition optax.apply_updates makes on float32 weights.
-    high, low = _split_float32(jnp.asarray(weight + update).astype(jnp.float32))
+    high, low = formats.split_float32(jnp.asarray(weight + update).astype(jnp.float32))
     return _update_to(p, high), low
 
 
@@ -407,7 +407,7 @@ def _per_leaf(step: Callable[..., Tuple[Any, Any]], handled: Any, *trees: Any) -
 
 def _update_to(p: jax.Array, new: jax.Array) -> jax.Array:
     """The float32 update with which ``optax.apply_updates`` moves ``p`` to ``new``."""
-    unchanged = _bits(p) == _bits(new)
+    unchanged = formats.bits_of(p) == formats.bits_of(new)
     # -0.0: p + (-0.0) is p for every p, signed zeros, infinities and NaNs included.
     return jnp.where(unchanged, -0.0, new.astype(jnp.float32) - p.astype(jnp.float32))
 
@@ -415,23 +415,6 @@ def _update_to(p: jax.Array, new: jax.Array) -> jax.Array:
 def _applied(p: jax.Array, update: jax.Array) -> jax.Array:
     """What ``optax.apply_updates`` makes of ``p`` and a float32 ``update``."""
     return formats.encode(p.astype(jnp.float32) + update, p.dtype)
-
-
-def _bits(x: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-
-
-def _split_float32(x: jax.Array) -> Tuple[jax.Array, jax.Array]:
-    """A float32 array as (its high 16 bits as bfloat16, its low 16 bits as uint16)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    high = jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
-    return high, (bits & 0xFFFF).astype(jnp.uint16)
-
-
-def _join_float32(high: jax.Array, low: jax.Array) -> jax.Array:
-    """The inverse of `_split_float32`."""
-    bits = (_bits(high).astype(jnp.uint32) << 16) | low.astype(jnp.uint32)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 # --------------------------------------------------------------------------- #
@@ -655,7 +638,8 @@ def _params_seen_by_inner(params: Any, state: LowPrecisionState, handled: Any) -
             handled, params, state.compensation)
     if isinstance(state, SplitState):
         return jax.tree_util.tree_map(
-            lambda h, p, low: _join_float32(p, low) if h else p, handled, params, state.low_bits)
+            lambda h, p, low: formats.join_float32(p, low) if h else p, handled, params,
+            state.low_bits)
     return _widened(params, handled)
 
 

@@ -272,7 +272,13 @@ _LOG2_RANGE = {FLOAT8: 8, SIGNED4: 0, NONNEGATIVE4: 8}
 
 def _exponents(x: Any, block_size: int, code: str) -> jax.Array:
     """The uint8 exponent of each block's scale: the smallest power of two that puts
-    every scaled value below ``2 ** _LOG2_RANGE[code]`` (``formats.scale_exponent``)."""
+    every scaled value below ``2 ** _LOG2_RANGE[code]`` (``formats.block_exponent``).
+
+    MXFP8's rule (``formats.e8m0_scale``) with two differences: the bound is a power of
+    two at most the code's largest value, and strict, so that a block's largest value
+    lands in the binade just below it, whatever the code, and a value stochastically
+    rounded up stays a code; and only the largest magnitude's binade is read (an exponent field, a byte),
+    which gives the same power of two for a power-of-two bound."""
     x = jnp.asarray(x, jnp.float32)
     magnitude = jnp.abs(x).reshape(*x.shape[:-1], -1, block_size)
     # XLA:GPU reduces in the kernel that computes the magnitudes and stores nothing:
@@ -281,7 +287,8 @@ def _exponents(x: Any, block_size: int, code: str) -> jax.Array:
                                          default=_largest_field)
     # 0 for a block of zeros and subnormals, inf for inf/NaN.
     binade = formats.power_of_two(largest)
-    return formats.block_exponent(binade, 2.0 ** _LOG2_RANGE[code], strict=True).astype(jnp.uint8)
+    exponent = formats.block_exponent(binade, 2.0 ** _LOG2_RANGE[code], strict=True)
+    return exponent.astype(jnp.uint8)
 
 
 def _largest_field(magnitude: jax.Array) -> jax.Array:
