@@ -445,7 +445,7 @@ def _signed4(y: jax.Array, bits: Optional[jax.Array]) -> jax.Array:
     # Below 1, or inf or NaN: 1, the largest code.
     rounded = _rounded(jnp.minimum(magnitude, formats.pattern(1.0)), _S4_GRID, bits)
     # k from the exponent field: 2**-6 (field 121) is 1 ... 1 (field 127) is 7; zero's is 0.
-    k = jnp.maximum((rounded >> 23) - 120, 0)
+    k = jnp.maximum(formats.exponent_field(rounded) - 120, 0)
     # The int4 of bits (sign, k): k, or k - 8 with the sign bit (the arithmetic shift
     # spreads it).
     return (k | ((sign >> 31) & -8)).astype(jnp.int4)
