@@ -1,34 +1,53 @@
-"""Number formats: what each low-precision float format is, and rounding to it.
+"""Number formats: what each float format is, its bit patterns, and rounding to it.
 
-Every low-precision feature of the library stands on this module: the float8
-and block-scaled products, the numerics inspector, `low_precision_params`,
-`cast_state` and `quantize_state`. A format is a grid of values; rounding to it
-is written here once, in float32, with ``lax.reduce_precision``, ``lax.round``,
-bitcasts and integer operations only.
+Every low-precision feature of the library asks this module, and no other knows
+a bit pattern: the float8 and block-scaled products, the numerics inspector,
+`low_precision_params`, `cast_state` and `quantize_state`. In order:
+
+* **Formats and their facts**: `Format` (mantissa and exponent bits, smallest
+  and largest values, what overflow gives), from `format_of` for a dtype that
+  rounding targets, `facts_of` for any floating dtype, `grid` for one with no
+  dtype (the 4-bit codes of ``quantize_state``);
+* **bit patterns** of float32 values, as int32: sign and magnitude, masks made
+  by shifts instead of comparisons, exponent fields and the powers of two they
+  stand for (`power_of_two`, `floor_power_of_two`), float32 as two halves
+  (`split_float32`);
+* **rounding**, in float32, with ``lax.reduce_precision``, ``lax.round``,
+  bitcasts and integer operations only: `round_nearest` gives bit for bit the
+  value that ``convert(x, dtype)`` gives (ties to even, subnormals, overflow to
+  inf, NaN or the largest value as the format says); `round_stochastic` rounds
+  to one of the two neighbours on the grid, unbiased; `widen` reads a narrow
+  array back, right whether or not the compiler removed the conversion that
+  made it; `encode` converts float32 values to a format, rounded to nearest or,
+  with a seed, stochastically;
+* **block scales**: the power-of-two rule of MXFP8 and ``quantize_state``
+  (`scale_exponent`, `block_exponent`, `e8m0_scale`) and NVFP4's float8 one
+  (`e4m3_scale`);
+* **random bits** for stochastic rounding (`random_bits`), and the one table of
+  the seed streams of the library's roundings (`SEED_STREAMS`);
+* `unfoldable`, which keeps XLA from reducing a constant array when it compiles
+  (the statistics and scales computed from bit patterns reduce whole arrays).
 
 Why not ``x.astype(dtype).astype(jnp.float32)``? Under ``jit``, XLA:GPU (with
 ``xla_allow_excess_precision``, its default) replaces a float round trip
 ``convert(convert(x, narrow), wide)`` by ``x``, also after moving the
 conversions across reshapes, transposes and broadcasts: the value is then never
 rounded. The operations here are not float conversions, so no compiler rewrite
-removes them:
+removes them.
 
-* `round_nearest` gives, in float32, bit for bit the value that
-  ``convert(x, dtype)`` gives (rounding to nearest even, subnormals,
-  overflow to inf, NaN or the largest value as the format says);
-* `round_stochastic` rounds to one of the two neighbours on the grid,
-  unbiased, with random bits from `random_bits`;
-* `widen` is the float32 value of a narrow array, right whether or not the
-  compiler removed the conversion that made it: ``round_nearest`` of its
-  conversion to float32 (exact when the conversion was kept, the rounding
-  restored when it was not);
-* `encode` converts float32 values to the format, rounded either way.
-
-Randomness for stochastic rounding is one counter-based hash
-(`random_bits`): the bits of an element are a hash of its index in the array
-and a seed of two uint32 words. The optimizer transformations draw the seed of
-each step from the PRNG key in their state; a stateless product uses a fixed
-seed and salts the bits with the values it rounds (`salted_bits`).
+**Random bits do not depend on the sharding.** An element's random bits are a
+hash of the seed, the element's index in the whole array (row-major, counted
+on the global shape, never a shard's) and, where the rounding is salted, the
+bits of its value as its format holds it: the quantizers read a narrow operand
+that they round stochastically with `widen`, so excess precision that the
+compiler keeps in one program and not in another (a sharded one) changes no
+draw. A sharded array therefore rounds, bit for bit, as the same array on one
+device. The other side of the rule: a value repeated at the same
+position of an array of the same shape, rounded with the same seed, rounds the
+same way. The optimizer transformations draw a new seed every step; the
+stateless products use a fixed seed (`fixed_seed`), so there an element that
+holds exactly the same value at the same position step after step rounds the
+same way each time (values that change by one bit get unrelated bits).
 
 >>> import jax, jax.numpy as jnp
 >>> x = jnp.array([1.0, 1.06, 500.0, 1e-3])   # 1e-3: between 2**-10 and 2**-9
@@ -51,21 +70,40 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["Format", "format_of", "grid", "round_nearest", "round_stochastic",
-           "round_magnitude_stochastic", "round_bits_stochastic", "dropped_bits", "widen",
-           "encode", "saturate", "scale_exponent", "random_bits", "stream_key", "salted_bits"]
+__all__ = [
+    # formats and their facts
+    "Format", "format_of", "facts_of", "grid",
+    # bit patterns
+    "I32", "SIGN_BIT", "INF_BITS", "pattern", "split_sign", "magnitude_bits", "as_float",
+    "negative_mask", "nonzero_mask", "finite_mask", "below", "positive", "where_bits",
+    "exponent_field", "power_of_two", "floor_power_of_two", "bits_of", "split_float32",
+    "join_float32",
+    # rounding
+    "round_nearest", "rounding_p", "round_stochastic", "round_magnitude_stochastic",
+    "round_bits_stochastic", "dropped_bits", "widen", "encode", "saturate",
+    # block scales
+    "scale_exponent", "block_exponent", "e8m0_scale", "e4m3_scale",
+    # random bits
+    "random_bits", "stream_key", "salted_bits", "SeedStreams", "SEED_STREAMS", "fixed_seed",
+    # reductions
+    "unfoldable",
+]
 
 _F32 = np.dtype(np.float32)
 _U32 = np.uint32
 _MANTISSA_BITS = 23  # float32's
+_EXPONENT_BIAS = 127  # float32's
 
+
+# --- Formats and their facts -----------------------------------------------------------------
 
 class Format(NamedTuple):
-    """A floating format's grid, as far as rounding to it needs.
+    """A floating format's facts: its grid, its range and what overflow gives.
 
-    The formats of dtypes come from `format_of`; `grid` describes one with no dtype
-    (the 4-bit codes of ``quantize_state``), which `round_nearest` and
-    `round_stochastic` round to as well.
+    The formats of dtypes come from `format_of` (those that rounding targets) and
+    `facts_of` (any floating dtype); `grid` describes one with no dtype (the 4-bit
+    codes of ``quantize_state``), which `round_nearest` and `round_stochastic` round
+    to as well.
 
     Attributes:
       dtype: the numpy dtype, or ``None`` for a grid with no dtype.
@@ -97,6 +135,11 @@ class Format(NamedTuple):
         return 2.0 ** (self.min_exponent - self.mantissa)
 
     @property
+    def spacing_at_max(self) -> float:
+        """The grid's spacing in the binade of its largest value."""
+        return 2.0 ** (math.frexp(self.max)[1] - 1 - self.mantissa)
+
+    @property
     def f32_range(self) -> bool:
         """Whether the format's exponents reach float32's smallest (bfloat16's do): its
         subnormals are float32 subnormals, and ``reduce_precision`` rounds them."""
@@ -123,22 +166,20 @@ def grid(mantissa: int, min_exponent: int, largest: float) -> Format:
 
 
 @functools.lru_cache(maxsize=None)
-def format_of(dtype: Any) -> Format:
-    """The `Format` of a floating dtype narrower than float32 (a `Format` as it is).
+def facts_of(dtype: Any) -> Format:
+    """The `Format` of any floating dtype: float32 and wider, and scale formats with no
+    mantissa (``float8_e8m0fnu``), included. For reading a format's facts (its largest
+    value, its smallest normal one); the roundings take `format_of`'s.
 
-    >>> fmt = format_of(jnp.float8_e4m3fn)
-    >>> fmt.mantissa, fmt.min_exponent, fmt.max, fmt.overflow, fmt.smallest
-    (3, -6, 448.0, 'nan', 0.001953125)
+    >>> facts_of(jnp.float32).min_exponent, facts_of(jnp.float16).max
+    (-126, 65504.0)
     """
     if isinstance(dtype, Format):
         return dtype
     dtype = np.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize >= 4:
-        raise ValueError(f"format_of takes a floating dtype narrower than float32, got {dtype}.")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"facts_of takes a floating dtype, got {dtype}.")
     info = jnp.finfo(dtype)  # type: ignore[no-untyped-call]
-    if int(info.nmant) == 0:
-        raise ValueError(f"{dtype} has no mantissa (a scale format): its values are powers "
-                         "of two, which float32 holds exactly; there is nothing to round.")
     with np.errstate(all="ignore"):
         beyond = float(np.array(np.inf, _F32).astype(dtype).astype(_F32))
     overflow: Literal["inf", "nan", "saturate"] = (
@@ -147,9 +188,165 @@ def format_of(dtype: Any) -> Format:
                   overflow)
 
 
-def _power_of_two(exponent: int) -> np.float32:
+@functools.lru_cache(maxsize=None)
+def format_of(dtype: Any) -> Format:
+    """The `Format` of a floating dtype narrower than float32 with a mantissa, which the
+    roundings round to (a `Format` as it is).
+
+    >>> fmt = format_of(jnp.float8_e4m3fn)
+    >>> fmt.mantissa, fmt.min_exponent, fmt.max, fmt.overflow, fmt.smallest
+    (3, -6, 448.0, 'nan', 0.001953125)
+    """
+    if isinstance(dtype, Format):
+        return dtype
+    if not jnp.issubdtype(dtype, jnp.floating) or np.dtype(dtype).itemsize >= 4:
+        raise ValueError(f"format_of takes a floating dtype narrower than float32, "
+                         f"got {np.dtype(dtype)}.")
+    fmt = facts_of(dtype)
+    if fmt.mantissa == 0:
+        raise ValueError(f"{np.dtype(dtype)} has no mantissa (a scale format): its values are "
+                         "powers of two, which float32 holds exactly; there is nothing to round.")
+    return fmt
+
+
+def _two_to(exponent: int) -> np.float32:
     return np.float32(2.0 ** exponent)
 
+
+# --- Bit patterns ----------------------------------------------------------------------------
+#
+# The roundings work on the float32 bit pattern, as int32, with no comparison and no
+# select: XLA:GPU splits a transpose fusion (a weight quantized for the backward
+# product) at every operation that yields a ``pred`` array, into kernels that write
+# that mask to memory and read the float32 input again. The sign bit apart, the
+# magnitude's pattern (a non-negative int32) orders as the magnitude does, so ``min``
+# and ``max`` on it clamp the value; where two cases meet at a value ``b`` of the grid,
+# each computed on the magnitude clamped to its own side gives ``b`` on the other side,
+# and their sum less ``b``'s pattern is the case the magnitude is in. Masks are -1 (all
+# bits) or 0, made by arithmetic shifts of a difference's sign bit.
+
+I32 = np.int32
+SIGN_BIT = I32(-(1 << 31))
+INF_BITS = I32(0x7F800000)
+_MAGNITUDE = I32(0x7FFFFFFF)
+_QUIET_NAN = I32(0x7FC00000)
+
+
+def pattern(value: float) -> np.int32:
+    """The bit pattern of float32 ``value``, as int32."""
+    return I32(np.float32(value).view(I32))
+
+
+def split_sign(x: Any) -> tuple[jax.Array, jax.Array]:
+    """Float32 ``x``'s sign bit (int32: `SIGN_BIT` or 0) and magnitude's pattern (int32)."""
+    x_bits = lax.bitcast_convert_type(lax.convert_element_type(x, _F32), I32)
+    sign = lax.bitwise_and(x_bits, SIGN_BIT)
+    return sign, lax.bitwise_xor(x_bits, sign)
+
+
+def magnitude_bits(x: Any) -> jax.Array:
+    """The bits of ``|x|`` as a float32 (int32).
+
+    A narrow ``x`` is read with `widen`: statistics of its values stay
+    those of its format where the compiler removes the round trip to it.
+    """
+    x32 = lax.convert_element_type(widen(x), _F32)
+    return lax.bitcast_convert_type(x32, I32) & _MAGNITUDE
+
+
+def as_float(bits: jax.Array) -> jax.Array:
+    """The float32 whose bits are ``bits``."""
+    return lax.bitcast_convert_type(bits, _F32)
+
+
+def negative_mask(difference: jax.Array) -> jax.Array:
+    """-1 (all bits) where int32 ``difference`` is negative, 0 elsewhere."""
+    return lax.shift_right_arithmetic(difference, I32(31))
+
+
+def nonzero_mask(bits: jax.Array) -> jax.Array:
+    """-1 where the non-negative ``bits`` are nonzero, 0 where zero."""
+    return negative_mask(lax.neg(bits))
+
+
+def finite_mask(bits: jax.Array) -> jax.Array:
+    """-1 where the magnitude ``bits`` are finite, 0 for inf and NaN."""
+    return negative_mask(bits - INF_BITS)
+
+
+def below(bits: jax.Array, limit: Any) -> jax.Array:
+    """1 where ``bits < limit`` (both non-negative), else 0."""
+    return lax.shift_right_logical(bits - I32(limit), I32(31))
+
+
+def positive(bits: jax.Array) -> jax.Array:
+    """1 where ``bits > 0`` (non-negative), else 0."""
+    return lax.shift_right_logical(-bits, I32(31))
+
+
+def where_bits(mask: jax.Array, x: jax.Array) -> jax.Array:
+    """``x`` where ``mask`` is -1, +0.0 where it is 0 (a select without a select)."""
+    return as_float(lax.bitcast_convert_type(x, I32) & mask)
+
+
+def exponent_field(magnitude: Any) -> jax.Array:
+    """The biased exponent field (int32, 0 to 255) of non-negative float32 ``magnitude``
+    (or of the magnitude's pattern): the binade it lies in, ``2 ** (field - 127)``."""
+    bits = magnitude if jnp.result_type(magnitude) == I32 else \
+        lax.bitcast_convert_type(lax.convert_element_type(magnitude, _F32), I32)
+    return lax.shift_right_logical(bits, I32(_MANTISSA_BITS))
+
+
+def power_of_two(biased: Any) -> jax.Array:
+    """``2.0 ** (biased - 127)`` as float32, exactly, for integer ``biased`` in [1, 254]
+    (a biased exponent field; 0 gives 0.0, 255 inf).
+
+    >>> power_of_two(jnp.array([127, 130, 1], jnp.uint8)).tolist()
+    [1.0, 8.0, 1.1754943508222875e-38]
+    """
+    field = lax.convert_element_type(biased, I32)
+    return as_float(lax.shift_left(field, I32(_MANTISSA_BITS)))
+
+
+def floor_power_of_two(x: Any) -> jax.Array:
+    """The largest power of two not above each non-negative float32 ``x`` (its binade's),
+    exactly, where ``exp2(floor(log2(x)))`` may round on some backends; 0 and float32
+    subnormals give 0, inf inf, NaN NaN.
+
+    >>> floor_power_of_two(jnp.array([3.0, 0.3, 0.0, jnp.nan])).tolist()
+    [2.0, 0.25, 0.0, nan]
+    """
+    x = lax.convert_element_type(x, _F32)
+    return lax.select(lax.ne(x, x), x, power_of_two(exponent_field(x)))
+
+
+def bits_of(x: Any) -> jax.Array:
+    """The bit pattern of floating ``x``, as the unsigned integer of its width (a bitwise
+    comparison tells -0.0 from 0.0 and one NaN from another)."""
+    x = jnp.asarray(x)
+    return lax.bitcast_convert_type(x, np.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def split_float32(x: Any) -> tuple[jax.Array, jax.Array]:
+    """Float32 ``x`` as its high 16 bits, a bfloat16 (``x`` truncated), and its low 16
+    bits (uint16): bfloat16 is float32's upper half.
+
+    >>> high, low = split_float32(jnp.array([1.0 + 2.0 ** -12]))
+    >>> high.tolist(), low.tolist(), join_float32(high, low).tolist()
+    ([1.0], [2048], [1.000244140625])
+    """
+    x_bits = bits_of(lax.convert_element_type(x, _F32))
+    high = lax.bitcast_convert_type((x_bits >> 16).astype(jnp.uint16), jnp.bfloat16)
+    return high, (x_bits & 0xFFFF).astype(jnp.uint16)
+
+
+def join_float32(high: Any, low: Any) -> jax.Array:
+    """The inverse of `split_float32`: the float32 of bfloat16 ``high`` and uint16 ``low``."""
+    x_bits = (bits_of(high).astype(jnp.uint32) << 16) | jnp.asarray(low).astype(jnp.uint32)
+    return lax.bitcast_convert_type(x_bits, _F32)
+
+
+# --- Rounding to nearest ---------------------------------------------------------------------
 
 def round_nearest(x: Any, dtype: Any) -> jax.Array:
     """Float32 ``x`` rounded to the nearest value of ``dtype`` (ties to even), as float32:
@@ -173,7 +370,7 @@ def _round_nearest(x: jax.Array, *, format: Format) -> jax.Array:
     if format.f32_range and format.overflow == "inf":  # bfloat16: one reduce_precision does all
         return lax.reduce_precision(x, exponent_bits=format.exponent_bits,
                                     mantissa_bits=format.mantissa)
-    sign, magnitude = _split_sign(x)
+    sign, magnitude = split_sign(x)
     return _overflowed(_nearest_magnitude(magnitude, format), sign, format)
 
 
@@ -188,38 +385,6 @@ batching.defvectorized(rounding_p)  # type: ignore[no-untyped-call]
 ad.defjvp(rounding_p, lambda tangent, x, *, format: tangent)  # type: ignore[no-untyped-call]
 
 
-# The roundings work on the float32 bit pattern, as int32, with no comparison and no
-# select: XLA:GPU splits a transpose fusion (a weight quantized for the backward
-# product) at every operation that yields a ``pred`` array, into kernels that write
-# that mask to memory and read the float32 input again. The sign bit apart, the
-# magnitude's pattern (a non-negative int32) orders as the magnitude does, so ``min``
-# and ``max`` on it clamp the value; where two cases meet at a value ``b`` of the grid,
-# each computed on the magnitude clamped to its own side gives ``b`` on the other side,
-# and their sum less ``b``'s pattern is the case the magnitude is in.
-_I32 = np.int32
-_SIGN = _I32(-(1 << 31))
-_INF = _I32(0x7F800000)
-_QUIET_NAN = _I32(0x7FC00000)
-
-
-def _pattern(value: float) -> np.int32:
-    """The bit pattern of float32 ``value``, as int32."""
-    return _I32(np.float32(value).view(_I32))
-
-
-def _split_sign(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Float32 ``x``'s sign bit and magnitude's pattern (int32)."""
-    x_bits = lax.bitcast_convert_type(x, _I32)
-    sign = lax.bitwise_and(x_bits, _SIGN)
-    return sign, lax.bitwise_xor(x_bits, sign)
-
-
-def _negative_mask(difference: jax.Array) -> jax.Array:
-    """-1 (all bits) where int32 ``difference`` is negative, 0 elsewhere: a mask for
-    ``bitwise_and``, made by an arithmetic shift instead of a comparison."""
-    return lax.shift_right_arithmetic(difference, _I32(31))
-
-
 def _nearest_normal(magnitude: jax.Array, fmt: Format) -> jax.Array:
     """The pattern of ``magnitude`` (a pattern, at least `Format.tiny`'s unless ``fmt``'s
     subnormals are float32's) rounded to nearest even on ``fmt``'s grid: unbounded above
@@ -229,7 +394,7 @@ def _nearest_normal(magnitude: jax.Array, fmt: Format) -> jax.Array:
     rounded = lax.reduce_precision(lax.bitcast_convert_type(magnitude, _F32),
                                    exponent_bits=fmt.exponent_bits if ieee else 8,
                                    mantissa_bits=fmt.mantissa)
-    return lax.bitcast_convert_type(rounded, _I32)
+    return lax.bitcast_convert_type(rounded, I32)
 
 
 def _nearest_magnitude(magnitude: jax.Array, fmt: Format) -> jax.Array:
@@ -242,13 +407,13 @@ def _nearest_magnitude(magnitude: jax.Array, fmt: Format) -> jax.Array:
     # Each part sees the magnitude clamped to its side of tiny, where the other part
     # gives tiny itself, so that the sum of the two less tiny's pattern is the part
     # whose side the magnitude is on (NaN: the normal part's NaN).
-    tiny = _pattern(fmt.tiny)
+    tiny = pattern(fmt.tiny)
     k = fmt.mantissa - fmt.min_exponent
     low = lax.bitcast_convert_type(lax.min(magnitude, tiny), _F32)
-    sub = lax.mul(lax.round(lax.mul(low, _power_of_two(k)), lax.RoundingMethod.TO_NEAREST_EVEN),
-                  _power_of_two(-k))
+    sub = lax.mul(lax.round(lax.mul(low, _two_to(k)), lax.RoundingMethod.TO_NEAREST_EVEN),
+                  _two_to(-k))
     return lax.add(lax.sub(_nearest_normal(lax.max(magnitude, tiny), fmt), tiny),
-                   lax.bitcast_convert_type(sub, _I32))
+                   lax.bitcast_convert_type(sub, I32))
 
 
 def _overflowed(rounded: jax.Array, sign: jax.Array, fmt: Format) -> jax.Array:
@@ -256,29 +421,32 @@ def _overflowed(rounded: jax.Array, sign: jax.Array, fmt: Format) -> jax.Array:
     unless IEEE) and ``sign``, with what lies beyond ``fmt.max`` made what a conversion to
     ``fmt`` makes of it: inf (already, for IEEE formats), NaN, or the largest value, and
     NaN what the conversion makes of NaN."""
-    top = _pattern(fmt.max)
+    top = pattern(fmt.max)
     if fmt.overflow == "nan":  # beyond the largest (inf and NaN too): NaN
-        beyond = _negative_mask(lax.sub(top, rounded))
+        beyond = negative_mask(lax.sub(top, rounded))
         rounded = lax.bitwise_or(rounded, lax.bitwise_and(beyond, _QUIET_NAN))
     elif fmt.overflow == "saturate":
         # No NaN either: XLA's conversion makes it -0. No finite value rounds to a NaN
         # pattern, so the rounded pattern tells NaN inputs apart.
-        nan = _negative_mask(lax.sub(_INF, rounded))
+        nan = negative_mask(lax.sub(INF_BITS, rounded))
         rounded = lax.bitwise_and(lax.min(rounded, top), lax.bitwise_not(nan))
-        sign = lax.bitwise_or(sign, lax.bitwise_and(nan, _SIGN))
+        sign = lax.bitwise_or(sign, lax.bitwise_and(nan, SIGN_BIT))
     return lax.bitcast_convert_type(lax.bitwise_or(rounded, sign), _F32)
 
+
+
+# --- Stochastic rounding ---------------------------------------------------------------------
 
 def _random_fraction_bits(bits: jax.Array, count: Any) -> jax.Array:
     """The top ``count`` (an int, or an int32 array of them, 1 to 31) of 32 random
     ``bits``, as the low bits of an int32."""
     shift = (_U32(32 - count) if isinstance(count, int)
-             else lax.convert_element_type(lax.sub(_I32(32), count), _U32))
-    return lax.convert_element_type(lax.shift_right_logical(bits, shift), _I32)
+             else lax.convert_element_type(lax.sub(I32(32), count), _U32))
+    return lax.convert_element_type(lax.shift_right_logical(bits, shift), I32)
 
 
-def round_bits_stochastic(pattern: Any, count: Any, bits: jax.Array) -> jax.Array:
-    """The int32 bit pattern of a non-negative float32 (``pattern``) with its low ``count``
+def round_bits_stochastic(magnitude: Any, count: Any, bits: jax.Array) -> jax.Array:
+    """The int32 bit pattern of a non-negative float32 (``magnitude``) with its low ``count``
     bits rounded away stochastically: the top ``count`` of the 32 random ``bits`` added,
     then the low ``count`` bits cleared. ``count`` is an int or an int32 array (one per
     element), 1 to 23.
@@ -294,9 +462,9 @@ def round_bits_stochastic(pattern: Any, count: Any, bits: jax.Array) -> jax.Arra
     >>> jax.lax.bitcast_convert_type(up, jnp.float32).tolist()   # up where bits >= 2**31
     [1.0, 1.5]
     """
-    count_mask = (_I32(-(1 << count)) if isinstance(count, int)
-                  else lax.shift_left(_I32(-1), count))
-    return lax.bitwise_and(lax.add(pattern, _random_fraction_bits(bits, count)), count_mask)
+    count_mask = (I32(-(1 << count)) if isinstance(count, int)
+                  else lax.shift_left(I32(-1), count))
+    return lax.bitwise_and(lax.add(magnitude, _random_fraction_bits(bits, count)), count_mask)
 
 
 def dropped_bits(magnitude: Any, dtype: Any) -> jax.Array:
@@ -314,11 +482,11 @@ def dropped_bits(magnitude: Any, dtype: Any) -> jax.Array:
     fmt = format_of(dtype)
     kept = _MANTISSA_BITS - fmt.mantissa
     if fmt.f32_range:  # float32's subnormals have float32's spacing too
-        return jnp.full(jnp.shape(magnitude), kept, _I32)
-    field = lax.shift_right_logical(lax.convert_element_type(magnitude, _I32), _I32(23))
+        return jnp.full(jnp.shape(magnitude), kept, I32)
+    field = lax.shift_right_logical(lax.convert_element_type(magnitude, I32), I32(23))
     # The exponent field of tiny, less the field, is how many binades below tiny.
-    below = lax.sub(_I32(kept + fmt.min_exponent + 127), field)
-    return lax.clamp(_I32(kept), below, _I32(_MANTISSA_BITS))
+    below = lax.sub(I32(kept + fmt.min_exponent + 127), field)
+    return lax.clamp(I32(kept), below, I32(_MANTISSA_BITS))
 
 
 def round_stochastic(x: Any, dtype: Any, bits: jax.Array) -> jax.Array:
@@ -329,11 +497,9 @@ def round_stochastic(x: Any, dtype: Any, bits: jax.Array) -> jax.Array:
 
     In the normal range (and bfloat16's subnormals, which are float32's), the bits below
     ``dtype``'s mantissa are dropped after adding as many random bits
-    (`round_bits_stochastic`): exact. Below `Format.tiny`, the value in fixed point, with
-    ``31 - mantissa`` bits below the smallest subnormal, gets as many random bits and is
-    truncated: unbiased to ``2**-(31 - mantissa)`` of the smallest subnormal. Values
-    beyond the largest finite one, infs and NaNs round as `round_nearest` does; a value
-    below the largest never rounds above it.
+    (`round_bits_stochastic`): exact. Below `Format.tiny`, as
+    `round_magnitude_stochastic` says. Values beyond the largest finite one, infs and
+    NaNs round as `round_nearest` does; a value below the largest never rounds above it.
 
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> bits = random_bits(jnp.array([1, 2], jnp.uint32), (4000,))
@@ -345,22 +511,36 @@ def round_stochastic(x: Any, dtype: Any, bits: jax.Array) -> jax.Array:
     x = lax.convert_element_type(x, _F32)
     if fmt.f32_range and fmt.overflow == "inf":
         return _stochastic_in_f32_range(x, fmt, bits)
-    sign, magnitude = _split_sign(x)
+    sign, magnitude = split_sign(x)
     # As in `_nearest_magnitude`, each case sees the magnitude clamped to its side of a
     # boundary that is on the grid, where the other cases give the boundary itself: the
     # largest value (a value below it never rounds above it) and tiny.
-    top = _pattern(fmt.max)
+    top = pattern(fmt.max)
     rounded = round_magnitude_stochastic(lax.min(magnitude, top), fmt, bits)
     # At least the largest value: to nearest (tiny is below, so no subnormal part).
     beyond = _nearest_normal(lax.max(magnitude, top), fmt)
     return _overflowed(lax.add(lax.sub(beyond, top), rounded), sign, fmt)
 
 
-def round_magnitude_stochastic(magnitude: Any, dtype: Any, bits: jax.Array) -> jax.Array:
+def round_magnitude_stochastic(magnitude: Any, dtype: Any, bits: jax.Array, *,
+                               raised_below_smallest: bool = False) -> jax.Array:
     """The int32 pattern of a float32 magnitude (``magnitude``: a pattern, int32, at most
-    ``dtype``'s largest value) rounded stochastically to ``dtype``'s grid, as
-    `round_stochastic` rounds it: for callers that keep the sign apart and know their
-    values within the format's range (the codes of ``quantize_state``).
+    ``dtype``'s largest value, or inf's pattern, which stays inf) rounded stochastically
+    to ``dtype``'s grid, as `round_stochastic` rounds it: for callers that keep the sign
+    apart and know their values within the format's range (the codes of
+    ``quantize_state``).
+
+    From `Format.tiny` up, the bits below the mantissa are rounded away
+    (`round_bits_stochastic`): exact. Below it, the value in fixed point, with
+    ``31 - mantissa`` bits below the smallest subnormal, gets as many random bits and
+    is truncated: unbiased to ``2**-(31 - mantissa)`` of the smallest subnormal.
+
+    With ``raised_below_smallest``, for a caller that raises every nonzero magnitude to
+    at least the smallest subnormal (``quantize_state``'s "nonzero stays nonzero"),
+    the rounding is a handful of integer operations fewer: the bits below the grid
+    (`dropped_bits`, one more per binade below tiny) are rounded away, exact from the
+    smallest subnormal up; a magnitude below it rounds to a power of two at most the
+    smallest, off the grid, which the caller raises.
 
     >>> pattern = np.float32([4.5, 0.25]).view(np.int32)     # float4: 4 or 6; 0 or 0.5
     >>> f = lambda u: jax.lax.bitcast_convert_type(round_magnitude_stochastic(
@@ -370,11 +550,13 @@ def round_magnitude_stochastic(magnitude: Any, dtype: Any, bits: jax.Array) -> j
     """
     fmt = format_of(dtype)
     dropped = _MANTISSA_BITS - fmt.mantissa
-    if fmt.f32_range:
+    if fmt.f32_range:  # float32's subnormals have float32's spacing too
         return round_bits_stochastic(magnitude, dropped, bits)
+    if raised_below_smallest:
+        return round_bits_stochastic(magnitude, dropped_bits(magnitude, fmt), bits)
     # As in `_nearest_magnitude`, each part sees the magnitude clamped to its side of
     # tiny, where the other part gives tiny itself.
-    tiny = _pattern(fmt.tiny)
+    tiny = pattern(fmt.tiny)
     return lax.add(lax.sub(round_bits_stochastic(lax.max(magnitude, tiny), dropped, bits), tiny),
                    _subnormal_stochastic(lax.min(magnitude, tiny), fmt, bits))
 
@@ -386,13 +568,12 @@ def _subnormal_stochastic(low: jax.Array, fmt: Format, bits: jax.Array) -> jax.A
     bits added and dropped, and the count of smallest subnormals back in float32 (exact:
     at most ``2**mantissa``)."""
     fraction = 31 - fmt.mantissa
-    fixed = lax.convert_element_type(
-        lax.mul(lax.bitcast_convert_type(low, _F32), _power_of_two(31 - fmt.min_exponent)),
-        _U32)
+    fixed = lax.convert_element_type(lax.mul(as_float(low), _two_to(31 - fmt.min_exponent)),
+                                     _U32)
     count = lax.shift_right_logical(
         lax.add(fixed, lax.shift_right_logical(bits, _U32(32 - fraction))), _U32(fraction))
     value = lax.mul(lax.convert_element_type(count, _F32), np.float32(fmt.smallest))
-    return lax.bitcast_convert_type(value, _I32)
+    return lax.bitcast_convert_type(value, I32)
 
 
 def _stochastic_in_f32_range(x: jax.Array, fmt: Format, bits: jax.Array) -> jax.Array:
@@ -401,16 +582,19 @@ def _stochastic_in_f32_range(x: jax.Array, fmt: Format, bits: jax.Array) -> jax.
     the signed pattern (no carry reaches the sign bit below the largest value); beyond the
     largest value (infs and NaNs too), no random bits and nothing dropped, so that the
     final ``reduce_precision``, the identity on the grid, rounds those to nearest."""
-    x_bits = lax.bitcast_convert_type(x, _I32)
-    magnitude = lax.bitwise_and(x_bits, _I32(0x7FFFFFFF))
-    beyond = _negative_mask(lax.sub(_pattern(fmt.max), magnitude))  # -1 beyond the largest
+    x_bits = lax.bitcast_convert_type(x, I32)
+    magnitude = lax.bitwise_and(x_bits, I32(0x7FFFFFFF))
+    beyond = negative_mask(lax.sub(pattern(fmt.max), magnitude))  # -1 beyond the largest
     dropped = _MANTISSA_BITS - fmt.mantissa
     random = lax.bitwise_and(_random_fraction_bits(bits, dropped), lax.bitwise_not(beyond))
     truncated = lax.bitwise_and(lax.add(x_bits, random),
-                                lax.bitwise_or(_I32(-(1 << dropped)), beyond))
+                                lax.bitwise_or(I32(-(1 << dropped)), beyond))
     return lax.reduce_precision(lax.bitcast_convert_type(truncated, _F32),
                                 exponent_bits=fmt.exponent_bits, mantissa_bits=fmt.mantissa)
 
+
+
+# --- Reading and writing formats -------------------------------------------------------------
 
 def widen(q: Any) -> jax.Array:
     """The float32 value of ``q`` (an array of a format narrower than float32), right on
@@ -424,23 +608,31 @@ def widen(q: Any) -> jax.Array:
     dtype = np.dtype(jnp.result_type(q))
     if dtype.itemsize >= 4 or not jnp.issubdtype(dtype, jnp.floating):
         return jnp.asarray(q)
-    if int(jnp.finfo(dtype).nmant) == 0:  # type: ignore[no-untyped-call]
+    if facts_of(dtype).mantissa == 0:
         # A scale format (float8_e8m0fnu): the library only converts powers of two to it,
         # which float32 holds exactly; nothing was rounded.
         return lax.convert_element_type(q, _F32)
     return round_nearest(lax.convert_element_type(q, _F32), dtype)
 
 
-def encode(x: Any, dtype: Any, bits: Optional[jax.Array] = None) -> jax.Array:
-    """Float32 ``x`` in ``dtype``: rounded to nearest, or stochastically with random
-    ``bits`` (`round_stochastic`). Read it back with `widen`.
+def encode(x: Any, dtype: Any, seed: Optional[jax.Array] = None) -> jax.Array:
+    """Float32 ``x`` in ``dtype``: rounded to nearest, or, with a ``seed`` (two uint32
+    words, or their `stream_key`), stochastically (`round_stochastic`) with random bits
+    salted with ``x``'s own (`salted_bits`). Read it back with `widen`.
 
     The rounding is made here, so the conversion that follows is exact: the values
     are the format's on every backend, whatever its conversion does (XLA:CPU's older
     emitters round to float4_e2m1fn twice: 0.7499 becomes 1).
+
+    >>> seed = jnp.array([1, 2], jnp.uint32)
+    >>> x = jnp.full(4000, 4.5)
+    >>> draws = encode(x, jnp.float4_e2m1fn, seed).astype(jnp.float32)
+    >>> sorted(set(draws.tolist())), encode(x[:2], jnp.float4_e2m1fn).tolist()  # 4 or 6; even
+    ([4.0, 6.0], [4.0, 4.0])
     """
     x = lax.convert_element_type(x, _F32)
-    x = round_nearest(x, dtype) if bits is None else round_stochastic(x, dtype, bits)
+    x = round_nearest(x, dtype) if seed is None else round_stochastic(
+        x, dtype, salted_bits(seed, x))
     return lax.convert_element_type(x, np.dtype(dtype))
 
 
@@ -456,14 +648,17 @@ def saturate(x: Any, bound: float) -> jax.Array:
     >>> saturate(jnp.array([1.0, -500.0, jnp.inf, jnp.nan]), 448.0).tolist()
     [1.0, -448.0, inf, nan]
     """
-    sign, magnitude = _split_sign(lax.convert_element_type(x, _F32))
+    sign, magnitude = split_sign(lax.convert_element_type(x, _F32))
     # -1 where the magnitude is inf or NaN (its pattern at least inf's), else 0.
-    special = lax.bitwise_not(_negative_mask(lax.sub(magnitude, _INF)))
-    clamped = lax.min(magnitude, _pattern(bound))
+    special = lax.bitwise_not(negative_mask(lax.sub(magnitude, INF_BITS)))
+    clamped = lax.min(magnitude, pattern(bound))
     magnitude = lax.bitwise_or(lax.bitwise_and(magnitude, special),
                                lax.bitwise_and(clamped, lax.bitwise_not(special)))
     return lax.bitcast_convert_type(lax.bitwise_or(magnitude, sign), _F32)
 
+
+
+# --- Block scales ----------------------------------------------------------------------------
 
 def scale_exponent(amax: Any, bound: float, *, strict: bool = False) -> jax.Array:
     """Block scaling's power-of-two rule: the biased float32 exponent (int32, not clipped)
@@ -486,7 +681,61 @@ def scale_exponent(amax: Any, bound: float, *, strict: bool = False) -> jax.Arra
     return lax.add(exponent, lax.convert_element_type(inexact, np.int32))
 
 
-# --- Random bits ---------------------------------------------------------------------------
+def block_exponent(amax: Any, bound: float, *, strict: bool = False) -> jax.Array:
+    """`scale_exponent`, clipped to the exponents of normal float32 scales and their
+    inverses ([1, 254], int32): the stored exponent of a power-of-two block scale. A
+    block of zeros gets the smallest scale; an inf or NaN ``amax`` the largest (callers
+    that must see it make it NaN, as `e8m0_scale` does).
+
+    >>> block_exponent(jnp.array([0.0, 1.0, jnp.inf]), 448.0).tolist()
+    [1, 119, 254]
+    """
+    return lax.clamp(I32(1), scale_exponent(amax, bound, strict=strict), I32(254))
+
+
+def e8m0_scale(amax: Any, largest: float) -> jax.Array:
+    """MXFP8's block scale (``float8_e8m0fnu``) for blocks whose absolute maxima are
+    ``amax``, holding values up to ``largest``: ``amax / largest`` rounded up to a power of
+    two (so nothing saturates), as float32.
+
+    As ``jax.nn.scaled_dot_general``'s rounding to ``float8_e8m0fnu``, except
+    that scales below ``2**-126`` become ``2**-126`` (e8m0's ``2**-127`` is a
+    float32 subnormal, which some backends flush to zero); an inf or NaN
+    maximum gives a NaN scale.
+
+    >>> e8m0_scale(jnp.array([448.0, 449.0, 1.0, 0.0]), 448.0).tolist()
+    [1.0, 2.0, 0.00390625, 1.1754943508222875e-38]
+    """
+    amax = lax.convert_element_type(amax, _F32)
+    # A finite maximum over ``largest`` stays below e8m0's largest scale, so only the
+    # smallest ones are clipped.
+    scale = power_of_two(block_exponent(amax, largest))
+    return jnp.where(jnp.isfinite(amax), scale, np.float32(np.nan))
+
+
+def e4m3_scale(amax: Any, largest: float) -> jax.Array:
+    """NVFP4's block scale for blocks whose absolute maxima are ``amax``, holding values up
+    to ``largest`` (6, float4_e2m1fn's): ``amax / largest`` rounded to the nearest
+    ``float8_e4m3fn`` (at most its largest), as float32.
+
+    Not the power-of-two rule of `e8m0_scale` and ``quantize_state``: the scale has
+    e4m3's 3 mantissa bits, so a block's largest value lands within a sixteenth of
+    ``largest`` rather than anywhere in its top binade, which the 8 values of e2m1 need;
+    the value that rounds up (by at most ``2**-4``) saturates in e2m1's rounding.
+
+    >>> e4m3_scale(jnp.array([6.0, 112.0, 1e4]), 6.0).tolist()   # 112 / 6 = 18.7 -> 18
+    [1.0, 18.0, 448.0]
+    """
+    e4m3 = np.dtype(jnp.float8_e4m3fn)
+    quotient = lax.div(lax.convert_element_type(amax, _F32), np.float32(largest))
+    # Converted, not only rounded: the scale is an e4m3 value in the program, which the
+    # numerics inspector and the native product see as such.
+    clipped = jnp.clip(quotient, 0, np.float32(format_of(e4m3).max))
+    return widen(lax.convert_element_type(clipped, e4m3))
+
+
+
+# --- Random bits -----------------------------------------------------------------------------
 
 def _mix(x: jax.Array) -> jax.Array:
     """A bijection of 32 bits (the "lowbias32" integer hash): nearby inputs give
@@ -563,21 +812,49 @@ def salted_bits(seed: jax.Array, x: jax.Array) -> jax.Array:
     return random_bits(seed, jnp.shape(x), lax.bitcast_convert_type(x, _U32))
 
 
-# --- Bits of float32 magnitudes ---------------------------------------------------------
+class SeedStreams(NamedTuple):
+    """The seed streams of the library's stochastic roundings, one per user, so that no
+    two round with the same random bits from the same seed.
 
-I32 = np.int32
-INF_BITS = I32(0x7F800000)
+    The optimizer transformations fold their stream into the PRNG key they are given
+    (``jax.random.fold_in``), so one key may seed all three; the float8 products are
+    stateless and round with `fixed_seed` of theirs.
 
-
-def magnitude_bits(x: Any) -> jax.Array:
-    """The bits of ``|x|`` as a float32 (int32).
-
-    A narrow ``x`` is read with `widen`: statistics of its values stay
-    those of its format where the compiler removes the round trip to it.
+    Attributes:
+      low_precision_params: the weights of ``low_precision_params(..., "stochastic")``.
+      cast_state: the optimizer state that ``cast_state`` stores narrowly.
+      quantize_state: the codes of ``quantize_state``.
+      lhs_gradient: a quantized product's incoming gradient, rounded for the
+        contraction that gives its left operand's gradient.
+      rhs_gradient: the same, for its right operand's gradient.
     """
-    x32 = lax.convert_element_type(widen(x), np.float32)
-    return lax.bitcast_convert_type(x32, I32) & I32(0x7FFFFFFF)
 
+    low_precision_params: int
+    cast_state: int
+    quantize_state: int
+    lhs_gradient: int
+    rhs_gradient: int
+
+
+SEED_STREAMS = SeedStreams(low_precision_params=1, cast_state=2, quantize_state=3,
+                           lhs_gradient=4, rhs_gradient=5)
+"""The stream of each of the library's stochastic roundings."""
+
+_FIXED_WORD = 0x5EED5A17
+
+
+def fixed_seed(stream: int) -> jax.Array:
+    """The seed (two uint32 words) of a stateless rounding of ``stream`` (`SEED_STREAMS`):
+    the same every call, so what varies the bits from step to step is the values' salt.
+
+    >>> fixed_seed(SEED_STREAMS.lhs_gradient).dtype
+    dtype('uint32')
+    """
+    return jnp.asarray(np.array([stream, _FIXED_WORD], np.uint32))
+
+
+
+# --- Reductions that XLA does not fold ---------------------------------------------------------
 
 def unfoldable(x: Any) -> jax.Array:
     """Floating ``x`` times a one that XLA cannot see: a reduction of it is never evaluated
@@ -590,28 +867,3 @@ def unfoldable(x: Any) -> jax.Array:
     """
     one = lax.optimization_barrier(jnp.ones((), jnp.result_type(x)))  # type: ignore[no-untyped-call]
     return lax.mul(x, one)
-
-
-def finite_mask(bits: jax.Array) -> jax.Array:
-    """-1 (all bits set) where the magnitude ``bits`` are finite, 0 for inf and NaN."""
-    return lax.shift_right_arithmetic(bits - INF_BITS, I32(31))
-
-
-def below(bits: jax.Array, limit: Any) -> jax.Array:
-    """1 where ``bits < limit`` (both non-negative), else 0."""
-    return lax.shift_right_logical(bits - I32(limit), I32(31))
-
-
-def positive(bits: jax.Array) -> jax.Array:
-    """1 where ``bits > 0`` (non-negative), else 0."""
-    return lax.shift_right_logical(-bits, I32(31))
-
-
-def as_float(bits: jax.Array) -> jax.Array:
-    """The float32 whose bits are ``bits``."""
-    return lax.bitcast_convert_type(bits, np.float32)
-
-
-def where_bits(mask: jax.Array, x: jax.Array) -> jax.Array:
-    """``x`` where ``mask`` is -1, +0.0 where it is 0 (a select without a select)."""
-    return as_float(lax.bitcast_convert_type(x, I32) & mask)

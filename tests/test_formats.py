@@ -155,3 +155,30 @@ def test_saturate_clamps_finite_values_and_keeps_inf_and_nan():
     assert np.isnan(got[9]) and np.signbit(got[1])  # NaN stays NaN, -0 stays -0
     compiled = jax.jit(lambda x: formats.saturate(x, 448.0)).lower(x).as_text()
     assert "compare" not in compiled and "select" not in compiled  # no pred array
+
+
+def test_a_value_repeated_at_the_same_position_rounds_the_same_way():
+    # An element's random bits are a hash of the seed, its position in the whole array and
+    # its value: the same value at the same position rounds the same way with one seed;
+    # elsewhere, or with another value, it draws again.
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-6, 6, 4096).astype(np.float32)
+    y = x.copy()
+    y[::2] = rng.uniform(-6, 6, 2048).astype(np.float32)
+    seed, e2m1 = jnp.array([3, 9], jnp.uint32), jnp.float4_e2m1fn
+    ex, ey = (np.asarray(formats.encode(v, e2m1, seed), np.float32) for v in (x, y))
+    np.testing.assert_array_equal(ex[1::2], ey[1::2])
+    assert same_bits(ex, formats.round_stochastic(x, e2m1, formats.salted_bits(seed, x))).all()
+    again = np.asarray(formats.encode(np.full(4096, 4.5, np.float32), e2m1, seed), np.float32)
+    assert set(again.tolist()) == {4.0, 6.0}  # one value, many positions: both neighbours
+    # One bit more: other draws for the values between two neighbours.
+    nudged = np.asarray(formats.encode(np.nextafter(x, np.inf), e2m1, seed), np.float32)
+    assert (nudged != ex).mean() > 0.1
+
+
+def test_seed_streams_are_distinct_and_fixed_seeds_are_two_words():
+    streams = formats.SEED_STREAMS
+    assert len(set(streams)) == len(streams)
+    seed = formats.fixed_seed(streams.lhs_gradient)
+    assert seed.dtype == jnp.uint32 and seed.shape == (2,)
+    assert not (seed == formats.fixed_seed(streams.rhs_gradient)).all()

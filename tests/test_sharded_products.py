@@ -146,3 +146,60 @@ def test_data_parallel_collectives_are_bfloat16s_and_the_scales_maxima(facts):
             # rowwise's columns for the weight gradient; MXFP8's blocks lie within shards.
             assert amax == {"tensorwise": 2, "rowwise": 2, "mxfp8": 0, "nvfp4": 3}[recipe], \
                 (recipe, mode, amax)
+
+
+_STOCHASTIC_SCRIPT = r'''
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import jmp_policy
+from jmp_policy.float8 import Float8Recipe
+
+# tanh in bfloat16: XLA fuses its derivative differently in the sharded and the
+# single-device programs, where it may keep the excess precision of bfloat16 work.
+f = lambda w, x: jnp.sum(jnp.tanh(x @ w))
+rng = np.random.RandomState(0)
+w0 = jnp.asarray((rng.randn(256, 128) / 16).astype(np.float32))
+x0 = jnp.asarray(rng.randn(8, 64, 256).astype(np.float32))
+# (w, x): x batch-sharded; w on its output; a batch of 8 rows a device, less than a block.
+CASES = {"dp": (P(), P("data"), x0), "tp": (P(None, "data"), P(), x0),
+         "split blocks": (P(), P("data"), x0[:4, :8])}
+mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
+facts = {}
+for scaling in ("nvfp4", "mxfp8"):
+    recipe = Float8Recipe(scaling, stochastic_rounding=True)
+    grad = jax.jit(jax.grad(jmp_policy.autocast(f, "mixed_bfloat16", fp8=recipe), argnums=(0, 1)))
+    for name, (w_spec, x_spec, x) in CASES.items():
+        single = [np.asarray(g, np.float32) for g in grad(w0, x)]
+        with jax.set_mesh(mesh):
+            sharded = grad(jax.device_put(w0, NamedSharding(mesh, w_spec)),
+                           jax.device_put(x, NamedSharding(mesh, x_spec)))
+        got = [np.asarray(g, np.float32) for g in sharded]
+        facts[f"{scaling} {name}"] = {
+            "bit_equal": [a.tobytes() == b.tobytes() for a, b in zip(got, single)],
+            "error": [float(np.linalg.norm(a - b) / np.linalg.norm(b))
+                      for a, b in zip(got, single)]}
+json.dump(facts, open(sys.argv[1], "w"), indent=1)
+'''
+
+
+@pytest.fixture(scope="module")
+def stochastic_facts(tmp_path_factory):
+    script = tmp_path_factory.mktemp("sharded_stochastic") / "stochastic.py"
+    script.write_text(_STOCHASTIC_SCRIPT)
+    return shared_run(tmp_path_factory, "sharded_stochastic", [script])
+
+
+def test_stochastic_rounding_is_the_single_devices_under_explicit_axes(stochastic_facts):
+    # An element's random bits depend on its position in the whole array and its value,
+    # and the quantizers read a bfloat16 gradient as bfloat16 holds it, whatever excess
+    # precision the compiler kept in either program. A gradient whose product sums over
+    # no sharded axis (w's in "tp", x's in "dp", both where blocks span shards and are
+    # gathered) is the single device's bit for bit; one summed across shards differs by
+    # the rounding of its bfloat16 partial sums (a few 2**-9), where independent
+    # roundings would differ as much as either is from float32 (NVFP4: about 20%).
+    for key, v in stochastic_facts.items():
+        name = key.split(" ", 1)[1]
+        exact = {"dp": [False, True], "tp": [True, False], "split blocks": [True, True]}[name]
+        assert all(b for b, want in zip(v["bit_equal"], exact) if want), (key, v)
+        assert max(v["error"]) < 1e-2, (key, v)

@@ -17,8 +17,10 @@ GEMM (``jax.nn.scaled_matmul``) or its exact emulation: the operands
 dequantized to float32 (exact: a value times its block scale has at most 8
 significant bits) and multiplied in float32. Values are read back from their
 formats with ``formats.widen``, so that the emulation rounds on every backend
-(XLA:GPU removes a plain float round trip); stochastic rounding is
-``formats.round_stochastic``.
+(XLA:GPU removes a plain float round trip), and so are narrow operands before
+they are quantized: the values rounded, and the random bits of a stochastic
+rounding (``formats.encode`` with a seed), are those the format holds, whatever
+excess precision the compiler kept in the program that made them.
 
 >>> import jax.numpy as jnp
 >>> x = jnp.array([[0.0, 1.0, 3.0, 448.0] + [0.0] * 28])
@@ -55,11 +57,11 @@ _F32 = np.dtype(np.float32)
 _U32 = np.uint32
 
 
-def _max(dtype: Any) -> np.float32:
-    return np.float32(jnp.finfo(dtype).max)  # type: ignore[no-untyped-call]
+def _max(dtype: Any) -> float:
+    return formats.format_of(dtype).max
 
 
-NVFP4_RANGE = np.float32(6.0 * 448.0)
+NVFP4_RANGE = np.float32(_max(E2M1) * _max(E4M3))
 """What the NVFP4 per-tensor scale maps a tensor's absolute maximum onto: e2m1's largest
 value times e4m3's, so that the block scales span e4m3's range."""
 
@@ -104,38 +106,14 @@ class Blocks(NamedTuple):
         return lax.mul(formats.widen(self.values), lax.reshape(blocked, shape))
 
 
-def mx_scale(amax: jax.Array, dtype: Any) -> jax.Array:
-    """MXFP8's block scale for blocks whose absolute maxima are ``amax``: ``amax / max(dtype)``
-    rounded up to a power of two (so nothing saturates), as float32.
-
-    As ``jax.nn.scaled_dot_general``'s rounding to ``float8_e8m0fnu``, except
-    that scales below ``2**-126`` become ``2**-126`` (e8m0's ``2**-127`` is a
-    float32 subnormal, which some backends flush to zero); an inf or NaN
-    maximum gives a NaN scale.
-
-    >>> import jax.numpy as jnp
-    >>> mx_scale(jnp.array([448.0, 449.0, 1.0, 0.0]), jnp.float8_e4m3fn).tolist()
-    [1.0, 2.0, 0.00390625, 1.1754943508222875e-38]
-    """
-    amax = lax.convert_element_type(amax, _F32)
-    # Clipped to normal float32 exponents: a finite maximum over ``max(dtype)`` stays
-    # below e8m0's largest scale, so only the smallest ones are clipped.
-    exponent = jnp.maximum(formats.scale_exponent(amax, float(_max(dtype))), 1)
-    scale = lax.bitcast_convert_type(lax.shift_left(exponent, np.int32(23)), _F32)
-    return jnp.where(jnp.isfinite(amax), scale, np.float32(np.nan))
-
-
-def nv_scale(amax: jax.Array) -> jax.Array:
-    """NVFP4's block scale for blocks (already divided by the tensor scale) whose absolute
-    maxima are ``amax``: ``amax / 6`` rounded to the nearest ``float8_e4m3fn``, as float32."""
-    s = jnp.clip(lax.div(lax.convert_element_type(amax, _F32), _max(E2M1)), 0, _max(E4M3))
-    return formats.widen(lax.convert_element_type(s, E4M3))
-
-
 def nv_tensor_scale(x: Any) -> jax.Array:
     """NVFP4's per-tensor scale of ``x``: its absolute maximum over `NVFP4_RANGE` (at least
     ``2**-100`` over it; inf for an inf maximum, NaN for NaN)."""
-    amax = jnp.max(jnp.abs(lax.convert_element_type(x, _F32)))
+    return _tensor_scale_of(jnp.max(jnp.abs(formats.widen(x))))
+
+
+def _tensor_scale_of(amax: jax.Array) -> jax.Array:
+    """NVFP4's per-tensor scale of a tensor whose absolute maximum is ``amax``."""
     return lax.div(lax.max(amax, _TINY_AMAX), NVFP4_RANGE)
 
 
@@ -146,23 +124,25 @@ def marked_tensor_scale(x: Any) -> jax.Array:
 
 
 def block_scale(amax: jax.Array, scaling: str, dtype: Any) -> jax.Array:
-    """The float32 scale of blocks whose absolute maxima are ``amax``."""
-    return mx_scale(amax, dtype) if scaling == "mxfp8" else nv_scale(amax)
+    """The float32 scale of blocks of ``dtype`` values whose absolute maxima are ``amax``:
+    MXFP8's power of two (``formats.e8m0_scale``), NVFP4's e4m3 value
+    (``formats.e4m3_scale``; the blocks already divided by the tensor scale)."""
+    if scaling == "mxfp8":
+        return formats.e8m0_scale(amax, _max(dtype))
+    return formats.e4m3_scale(amax, _max(dtype))
 
 
 def to_format(y: jax.Array, dtype: Any, seed: Optional[jax.Array] = None) -> jax.Array:
-    """Float32 ``y``, already scaled into ``dtype``'s range, clipped to it and converted
-    (``formats.encode``): rounded to nearest even, or stochastically with ``seed`` (two
-    uint32 words) and random bits salted with ``y``'s own (``formats.salted_bits``):
-    element by element, so a sharded ``y`` rounds in its shards.
+    """Float32 ``y``, already scaled into ``dtype``'s range, converted (``formats.encode``):
+    rounded stochastically with ``seed`` (two uint32 words), else clipped to the range
+    and rounded to nearest even, as ``jax.nn.scaled_dot_general`` does.
 
     ``float4_e2m1fn`` has neither inf nor NaN: its rounding saturates, which is the
     clip, so the rounding itself sees the values beyond it."""
-    if seed is not None:
-        return formats.encode(y, dtype, formats.salted_bits(seed, y))
-    if np.dtype(dtype) != E2M1:
-        y = jnp.clip(y, -_max(dtype), _max(dtype))
-    return formats.encode(y, dtype)
+    if seed is None and np.dtype(dtype) != E2M1:
+        top = np.float32(_max(dtype))
+        y = jnp.clip(y, -top, top)
+    return formats.encode(y, dtype, seed)
 
 
 def quantize_blocks(x: Any, scaling: str, dtype: Any, *, seed: Optional[jax.Array] = None,
@@ -187,7 +167,7 @@ def quantize_blocks(x: Any, scaling: str, dtype: Any, *, seed: Optional[jax.Arra
     [[0.5, -1.0, 3.0, 6.0], [6.0, 6.0, 6.0, 6.0]]
     """
     # A constant x (a linear loss's cotangent) is not reduced to its scales when compiled.
-    x = unfoldable(lax.convert_element_type(x, _F32))
+    x = unfoldable(formats.widen(x))
     block = BLOCK_SIZES[scaling]
     if jnp.shape(x)[-1] % block:
         raise ValueError(f"{scaling} quantizes blocks of {block} along the last axis, "
@@ -215,10 +195,10 @@ def segment_tensor_scales(x: Any, segments: Segments) -> jax.Array:
     or matrix), ``[count]``: a mixture of experts' operands hold one tensor per expert,
     whose magnitudes may differ by more than the e4m3 block scales span."""
     ids, count = segments
-    rows = jnp.max(jnp.abs(unfoldable(lax.convert_element_type(x, _F32))),
+    rows = jnp.max(jnp.abs(unfoldable(formats.widen(x))),
                    axis=tuple(range(1, jnp.ndim(x))))
-    amax = jnp.maximum(jax.ops.segment_max(rows, ids, count, indices_are_sorted=True), 0)
-    return lax.div(lax.max(amax, _TINY_AMAX), NVFP4_RANGE)
+    return _tensor_scale_of(
+        jnp.maximum(jax.ops.segment_max(rows, ids, count, indices_are_sorted=True), 0))
 
 
 def per_row(values: jax.Array, segments: Segments, ndim: int) -> jax.Array:
@@ -266,9 +246,10 @@ def dequantized_in_groups(x: Any, ids: jax.Array, sizes: jax.Array, scaling: str
     """``x`` ``[m, c]`` (rows sorted by group, group ``ids``, group ``sizes``) quantized in
     blocks of rows along axis 0, the blocks of each group starting at its first row so that
     no block mixes two groups' rows, and dequantized: returns (float32 ``[m, c]``, tensor
-    scales: NVFP4's one per group, ``[groups]``). The operands of a ragged product's weight gradient, which sums each group's
-    rows. Rows in no group must be zero; they stay zero."""
-    x = unfoldable(lax.convert_element_type(x, _F32))
+    scales: NVFP4's one per group, ``[groups]``). The operands of a ragged product's
+    weight gradient, which sums each group's rows. Rows in no group must be zero; they
+    stay zero."""
+    x = unfoldable(formats.widen(x))
     m, block, groups = jnp.shape(x)[0], BLOCK_SIZES[scaling], jnp.shape(sizes)[0]
     tensor_scale = jnp.ones((), _F32)
     if scaling == "nvfp4":  # one per group (expert), as in `dequantized_along`

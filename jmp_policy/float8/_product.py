@@ -298,12 +298,13 @@ class _Rules:
 
     def _seed(self, c: Contraction) -> Optional[jax.Array]:
         """The seed of ``g``'s stochastic rounding for backward contraction ``c``, if the
-        recipe rounds so. Fixed, the values salting the bits: the salt tells apart the
-        two backward contractions' roundings of ``g``."""
+        recipe rounds so. Fixed, the values salting the bits; a stream of its own for each
+        backward contraction's rounding of ``g``."""
         if not self.recipe.stochastic_rounding:
             return None
-        salt = 1 if c is self.layout.lhs_gradient else 2
-        return jnp.asarray(np.array([salt, _SEED_WORD], np.uint32))
+        streams = formats.SEED_STREAMS
+        return formats.fixed_seed(streams.lhs_gradient if c is self.layout.lhs_gradient
+                                  else streams.rhs_gradient)
 
 
 def _description(eqn: JaxprEqn, recipe: Float8Recipe, lhs: Any, rhs: Any) -> str:
@@ -392,10 +393,6 @@ def _shape(x: Any) -> str:
 def _scope(eqn: JaxprEqn) -> str:
     scope = str(eqn.source_info.name_stack)
     return f" under {scope!r}" if scope else ""
-
-
-_SEED_WORD = 0x5EED5A17
-"""The second word of the backward roundings' seeds (the first tells the two apart)."""
 
 
 def _made_together(tree: Any) -> Any:

@@ -30,9 +30,10 @@ import numpy as np
 from jax import lax
 
 from jmp_policy import formats
-from jmp_policy.formats import INF_BITS, below, magnitude_bits, positive, unfoldable
+from jmp_policy.formats import INF_BITS, below, magnitude_bits, positive, unfoldable, widen
 from jmp_policy.dtypes import F32, dtype_of
 from jmp_policy.float8._recipe import SCALINGS
+
 
 def _reduced_axes(ndim: int, scaling: str, contracting_axes: Sequence[int]) -> tuple[int, ...]:
     if scaling in ("tensorwise", "delayed"):
@@ -63,29 +64,18 @@ def inverse_scale(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[i
 
 def _factor(amax: jax.Array, dtype: Any, power_of_two: bool) -> jax.Array:
     """The inverse scales of values whose absolute maxima are ``amax`` (see `inverse_scale`)."""
-    top = np.float32(jnp.finfo(dtype).max)  # type: ignore[no-untyped-call]
+    top = np.float32(formats.format_of(dtype).max)
     # The maximum is bounded below rather than the factor above: max/0 is never formed,
     # and a factor far below float32's largest value stays finite when XLA folds it
     # with the constants around it ((g / keep_prob) * factor becomes g * (factor /
     # keep_prob) under jit). lax.max keeps NaN; inf gives a factor of 0.
     factor = lax.div(top, lax.max(amax, np.float32(top / MAX_FACTOR)))
-    return _floor_power_of_two(factor) if power_of_two else factor
+    return formats.floor_power_of_two(factor) if power_of_two else factor
 
 
 MAX_FACTOR = 2.0 ** 64
 """The largest inverse scale: operands whose absolute maximum is below ``max / 2**64``
 (all-zero ones included) are scaled by it, and stay finite."""
-
-
-def _floor_power_of_two(x: jax.Array) -> jax.Array:
-    """The largest power of two not above each non-negative ``x`` (0 stays 0, NaN NaN).
-
-    Clearing the mantissa bits is exact, where ``exp2(floor(log2(x)))`` may
-    round on some backends.
-    """
-    bits = lax.bitcast_convert_type(x, np.uint32)
-    power = lax.bitcast_convert_type(lax.bitwise_and(bits, np.uint32(0x7F800000)), F32)
-    return lax.select(lax.ne(x, x), x, power)
 
 
 def quantize(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int], *,
@@ -102,18 +92,18 @@ def quantize(x: Any, dtype: Any, scaling: str, contracting_axes: Sequence[int], 
     flush to zero only when they are that far below the maximum. A row
     (tensor) holding inf or NaN gets an inf or NaN scale and NaN values, so
     every product it enters is NaN, never finite. With a ``seed`` (two uint32 words), values
-    are rounded stochastically (``formats.round_stochastic``, random bits salted with the
-    values: ``formats.salted_bits``), else to nearest.
+    are rounded stochastically, else to nearest (``formats.encode``; see `_operand`).
 
     >>> import jax.numpy as jnp
     >>> q, scale = quantize(jnp.array([3e-5, 1e-4]), jnp.float8_e4m3fn, "tensorwise", (0,))
     >>> scale.shape, [f"{v:.4g}" for v in (q.astype(jnp.float32) * scale).tolist()]
     ((1,), ['2.857e-05', '0.0001'])
     """
+    x = _operand(x, seed)
     inv = inverse_scale(x, dtype, scaling, contracting_axes, power_of_two)
     scaled = lax.mul(lax.convert_element_type(x, F32), inv)
     # No clamp needed: |x| * inv <= max * (1 + 2^-24)^2, which rounds to the format's max.
-    q = _encoded(scaled, dtype, seed)
+    q = formats.encode(scaled, dtype, seed)
     return q, lax.div(np.float32(1), inv)
 
 
@@ -136,28 +126,28 @@ def quantize_delayed(x: Any, dtype: Any, history: jax.Array, reduction: str, *,
     >>> (q.astype(jnp.float32) * scale).tolist(), float(amax)   # 4.0 saturates at 2.0
     ([1.0, 2.0], 4.0)
     """
-    x32 = lax.convert_element_type(x, F32)
-    top = np.float32(jnp.finfo(dtype).max)  # type: ignore[no-untyped-call]
+    x32 = lax.convert_element_type(_operand(x, seed), F32)
+    top = formats.format_of(dtype).max
     amax = lax.reduce_max(lax.abs(x32), tuple(range(jnp.ndim(x))))
     recent = jnp.max(history) if reduction == "max" else history[0]
     factor = jnp.where(recent > 0, _factor(recent, dtype, power_of_two), np.float32(1))
     # Finite values beyond the history's range saturate; inf and NaN stay non-finite.
-    q = _encoded(formats.saturate(lax.mul(x32, factor), float(top)), dtype, seed)
+    q = formats.encode(formats.saturate(lax.mul(x32, factor), top), dtype, seed)
     # The scale does not wait for x: XLA:GPU can cast x in the kernel that produces it
     # (next to its maximum), if the cast is kept from fusing into each consumer instead
-    # (a transposed copy per backward product, re-reading x in float32); see
-    # benchmarks/results/roofline_2026-11-27.md.
+    # (a transposed copy per backward product, re-reading x in float32).
     q = lax.optimization_barrier(q)  # type: ignore[no-untyped-call]
     scale = lax.broadcast_in_dim(lax.div(np.float32(1), factor), (1,) * jnp.ndim(x), ())
     return q, scale, amax
 
 
-def _encoded(scaled: jax.Array, dtype: Any, seed: Optional[jax.Array]) -> jax.Array:
-    """Float32 ``scaled`` in ``dtype``: stochastically rounded with ``seed`` (two uint32
-    words) and random bits salted with the values' own (``formats.salted_bits``: element
-    by element, so a sharded array rounds in its shards), or to nearest."""
-    bits = None if seed is None else formats.salted_bits(seed, scaled)
-    return formats.encode(scaled, dtype, bits)
+def _operand(x: Any, seed: Optional[jax.Array]) -> Any:
+    """The operand ``x`` to quantize: read as its format holds it (``formats.widen``) when
+    rounded stochastically (with a ``seed``), whose random bits are salted with the
+    values, so that excess precision the compiler keeps in one program and not in
+    another (a sharded one) changes no draw; as the program gives it otherwise, at a
+    conversion's cost."""
+    return x if seed is None else widen(x)
 
 
 def group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
@@ -212,13 +202,12 @@ def quantize_groups(x: Any, dtype: Any, ids: jax.Array, num_groups: int, *,
     """
     # Per-group maxima by a scatter-max: rows in no group are dropped, empty groups get
     # -inf (the bound in _factor makes them finite), NaN propagates as in lax.max.
-    amax = jax.ops.segment_max(lax.abs(unfoldable(lax.convert_element_type(x, F32))), ids,
-                               num_groups,
+    x = lax.convert_element_type(_operand(x, seed), F32)
+    amax = jax.ops.segment_max(lax.abs(unfoldable(x)), ids, num_groups,
                                indices_are_sorted=True)
     inv = _factor(amax, dtype, power_of_two)
     rows = jnp.take(inv, ids, axis=0, mode="fill", fill_value=0)
-    scaled = lax.mul(lax.convert_element_type(x, F32), rows)
-    q = _encoded(scaled, dtype, seed)  # rounded as in `quantize`
+    q = formats.encode(lax.mul(x, rows), dtype, seed)  # rounded as in `quantize`
     return q, lax.div(np.float32(1), inv)
 
 
@@ -249,7 +238,7 @@ def quantization_counts(x: Any, quantized: tuple[jax.Array, jax.Array]) -> Quant
                                       tuple(range(jnp.ndim(x))))
     saturated = 1 - below(q_bits, INF_BITS)
     flushed = positive(x_bits) & below(q_bits, 1) & below(scale_bits, INF_BITS)
-    # One reduction of both over every axis (see `_bits` for why integer arithmetic).
+    # One reduction of both over every axis, in integer arithmetic (no pred array).
     zero = np.int32(0)
     totals = lax.reduce((saturated, flushed), (zero, zero),
                         lambda a, b: (lax.add(a[0], b[0]), lax.add(a[1], b[1])),

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import JaxprEqn
 
+from jmp_policy import formats
 from jmp_policy.dtypes import is_floating_dtype
 from jmp_policy.float8 import _blocks
 from jmp_policy.float8._axes import free_axes
@@ -256,7 +257,7 @@ def _operand_dtype(value: Any, field: str, scaling: str) -> np.dtype[Any]:
                 "values in blocks, use scaling='mxfp8'.")
         return dtype
     if dtype is None or not dtype.name.startswith("float8_") or not is_floating_dtype(dtype) \
-            or jnp.finfo(dtype).nmant == 0:  # type: ignore[no-untyped-call]
+            or formats.facts_of(dtype).mantissa == 0:
         raise ValueError(
             f"Float8Recipe {field} must be a float8 dtype with a mantissa, such as "
             f"jnp.float8_e4m3fn or jnp.float8_e5m2; got {value if dtype is None else dtype}.")

@@ -281,7 +281,7 @@ def _group_stats(group: Sequence[Result]) -> Stats:
         return {**stats, "size": size}
     low = jnp.stack([r.low for r in group if r.low is not None])
     b = _value_bits(ref, low)
-    bounded = float(jnp.finfo(dtype_of(low)).max) <= _BOUNDED  # type: ignore[no-untyped-call]
+    bounded = formats.facts_of(dtype_of(low)).max <= _BOUNDED
     scales = (0,) if bounded else SQUARE_SCALES
     top = _saturates_at(dtype_of(low))
     (stats,) = _reduced([{**_result_fields(b, tiny, top), **_square_fields((ref, low), b, scales)}],
@@ -289,7 +289,7 @@ def _group_stats(group: Sequence[Result]) -> Stats:
     return {**stats, "size": size}
 
 
-_BOUNDED = float(np.finfo(np.float16).max)
+_BOUNDED = formats.facts_of(np.float16).max
 
 
 @functools.lru_cache(maxsize=None)
@@ -298,12 +298,10 @@ def _saturates_at(dtype: Any) -> Optional[float]:
     ``float4_e2m1fn``), the magnitude from which a value saturates: halfway from its
     largest value to the next one a wider exponent would give (below it, rounding to
     nearest gives the largest value anyway; 7 for e2m1). ``None`` for other dtypes."""
-    with np.errstate(all="ignore"):
-        inf = np.array([np.inf, np.nan], np.float32).astype(dtype).astype(np.float32)
-    if not np.isfinite(inf).all():
+    fmt = formats.facts_of(dtype)
+    if fmt.overflow != "saturate":
         return None
-    info = jnp.finfo(dtype)  # type: ignore[no-untyped-call]
-    return float(info.max) + 2.0 ** (int(info.maxexp) - 1 - int(info.nmant)) / 2
+    return fmt.max + fmt.spacing_at_max / 2
 
 
 HISTOGRAM_SAMPLE = 4096
@@ -430,7 +428,7 @@ class Observer:
         number = self.registry.number(eqn, info)
         # A float8 product's result is rescaled and continues in the compute dtype: its
         # subnormals are the compute dtype's.
-        tiny = float(jnp.finfo(self.compute if info.fp8 else _ran_in(eqn)[0]).tiny)  # type: ignore[no-untyped-call]
+        tiny = formats.facts_of(self.compute if info.fp8 else _ran_in(eqn)[0]).tiny
         level = self._levels[-1]
         level.results.extend(Result(number, refs[i], None if exact else outs[i], tiny)
                              for i in floats)

@@ -11,6 +11,8 @@ from typing import Any, Literal, Sequence
 
 import jax.numpy as jnp
 
+from jmp_policy.formats import facts_of
+
 FORMATS = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
 _PHASE_COLORS = {"forward": "tab:blue", "backward": "tab:orange"}
 _FORMAT_COLOR = "0.45"
@@ -60,8 +62,8 @@ def _figure_class() -> Any:
 
 def _format_range(name: str) -> tuple[float, float, float]:
     """(smallest subnormal, smallest normal, largest) magnitudes of a format."""
-    info = jnp.finfo(getattr(jnp, name))  # type: ignore[no-untyped-call]
-    return float(info.smallest_subnormal), float(info.tiny), float(info.max)
+    fmt = facts_of(getattr(jnp, name))
+    return fmt.smallest, fmt.tiny, fmt.max
 
 
 # The axis spans the data within these bounds: a mask's -3.4e38 or a flushed 1e-40 would

@@ -42,6 +42,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
+from jmp_policy import formats
 from jmp_policy.autocast import modules as _modules
 from jmp_policy.autocast import autocast
 from jmp_policy.autocast.modules import Call
@@ -59,7 +60,7 @@ Phase = Literal["forward", "backward"]
 Argnums = Union[None, int, Sequence[int]]
 
 # Loss scales are sized for float16, the format whose range gradients fall out of.
-_F16 = np.finfo(np.float16)
+_F16 = formats.facts_of(np.float16)
 _NORMAL_SHARE = 0.999
 
 
@@ -634,12 +635,15 @@ def _loss_scale(histogram: np.ndarray[Any, Any], top: float, warn: bool = True) 
         return 1.0
     at_or_above = np.cumsum(counts[::-1])[::-1]  # at_or_above[e]: values in bins >= e
     lowest = max(e for e in range(counts.size) if at_or_above[e] >= _NORMAL_SHARE * total)
-    smallest = math.ceil(math.log2(float(_F16.tiny))) + 127 - lowest  # k_min
+    smallest = _F16.min_exponent + 127 - lowest  # k_min
     largest = math.floor(math.log2(float(_F16.max) / top))
     if smallest > largest and not warn:
         return 2.0 ** max(-126, largest)
     if smallest > largest:
-        share = at_or_above[max(0, min(counts.size - 1, 113 - largest))] / total
+        # Bin e holds 2**(e - 127): scaled by 2**largest, float16 normals from bin
+        # 127 + min_exponent - largest.
+        normal = 127 + _F16.min_exponent - largest
+        share = at_or_above[max(0, min(counts.size - 1, normal))] / total
         warnings.warn(
             f"No power of two brings {_NORMAL_SHARE:.1%} of the gradient values into float16's "
             f"normal range without overflowing the largest ({top:.3g}): 2**{largest} brings "

@@ -59,12 +59,6 @@ Seed = Union[int, jax.Array]
 METHODS = ("kahan", "stochastic", "split")
 ROUNDINGS = ("stochastic", "nearest")
 
-# Distinct streams for the two transformations, so that the same seed given
-# to both does not round the weights and the moments with the same numbers.
-_PARAMS_STREAM = 1
-_STATE_STREAM = 2
-
-
 class KahanState(NamedTuple):
     """State of ``low_precision_params(inner, "kahan")``.
 
@@ -93,10 +87,7 @@ class StochasticRoundingState(NamedTuple):
       dtypes: per low-precision parameter, a zero of its dtype
         (``optax.MaskedNode()`` for float32 parameters): what the next update
         checks the parameters against.
-      landed: a float32 array of 16 weights of each low-precision parameter
-        (strided over it flattened; all of a smaller one), in the order of the
-        leaves, as the last update left them: the next update compares its
-        parameters with them.
+      landed: the sampled weights the last update left, as in `KahanState`.
     """
 
     inner_state: optax.OptState
@@ -113,10 +104,7 @@ class SplitState(NamedTuple):
       low_bits: per bfloat16 parameter, a uint16 array of the low 16 bits of
         the float32 weight whose high 16 bits are the parameter
         (``optax.MaskedNode()`` for float32 parameters).
-      landed: a float32 array of 16 weights of each low-precision parameter
-        (strided over it flattened; all of a smaller one), in the order of the
-        leaves, as the last update left them: the next update compares its
-        parameters with them.
+      landed: the sampled weights the last update left, as in `KahanState`.
     """
 
     inner_state: optax.OptState
@@ -141,12 +129,8 @@ class CastState(NamedTuple):
 LowPrecisionState = Union[KahanState, StochasticRoundingState, SplitState]
 
 
-def low_precision_params(
-    inner: optax.GradientTransformation,
-    method: str = "kahan",
-    *,
-    seed: Seed = 0,
-) -> optax.GradientTransformationExtraArgs:
+def low_precision_params(inner: optax.GradientTransformation, method: str = "kahan", *,
+                         seed: Seed = 0) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` so that bfloat16 (or float16) parameters train like float32 ones.
 
     Args:
@@ -192,64 +176,82 @@ def low_precision_params(
     (dtype(bfloat16), True)
     """
     method = _check_choice("low_precision_params", "method", method, METHODS)
-    key, impl = _key_data(seed, _PARAMS_STREAM, "low_precision_params")
+    key, impl = _key_data(seed, formats.SEED_STREAMS.low_precision_params,
+                          "low_precision_params")
     inner = optax.with_extra_args_support(inner)
     warn_once = _WarnOnce(_misuse_message(method))
 
     def init_fn(params: optax.Params) -> LowPrecisionState:
-        handled = _handled_leaves(params, method, warn=True)
-        inner_state = inner.init(_widened(params, handled))
-        _refuse_inner_loss_scaling("low_precision_params", inner_state)
-        # No update has landed yet: the buffers say nothing about the weights, so
-        # weights changed before the first update (pretrained ones loaded) are fine.
-        landed = jnp.full_like(_samples(params, handled), _NOT_LANDED)
-        if method == "kahan":
-            # -0.0, the additive identity: x + (-0.0) is x for every x, -0.0 included.
-            return KahanState(inner_state, _buffers(params, handled, lambda p: -jnp.zeros_like(p)),
-                              landed)
-        if method == "split":
-            return SplitState(inner_state,
-                              _buffers(params, handled, lambda p: jnp.zeros_like(p, jnp.uint16)),
-                              landed)
-        return StochasticRoundingState(
-            inner_state, key, _buffers(params, handled, lambda p: jnp.zeros((), p.dtype)), landed)
+        return _initial_state(inner, method, key, params)
 
-    def update_fn(
-        grads: optax.Updates,
-        state: LowPrecisionState,
-        params: Optional[optax.Params] = None,
-        **extra_args: Any,
-    ) -> Tuple[optax.Updates, LowPrecisionState]:
+    def update_fn(grads: optax.Updates, state: LowPrecisionState,
+                  params: Optional[optax.Params] = None,
+                  **extra_args: Any) -> Tuple[optax.Updates, LowPrecisionState]:
         _check_update_args(method, state, params)
-        handled = _handled_leaves(params, method)
-        _check_still_narrow(method, state, handled)
-        zero = _check_landed(state.landed, params, handled, warn_once)
-        grads = _after(zero, _widened(grads, handled), handled)
-        seen = _params_seen_by_inner(params, state, handled)
-        updates, inner_state = inner.update(grads, state.inner_state, seen, **extra_args)
-        if isinstance(state, KahanState):
-            updates, compensation = _per_leaf(_kahan_step, handled, params, updates,
-                                              state.compensation)
-            new_state: LowPrecisionState = KahanState(inner_state, compensation, state.landed)
-        elif isinstance(state, SplitState):
-            updates, low_bits = _per_leaf(_split_step, handled, seen, updates, params)
-            new_state = SplitState(inner_state, low_bits, state.landed)
-        else:
-            next_key, seed = _step_seed(state.key, impl)
-            updates, _ = _per_leaf(functools.partial(_stochastic_step, seed=seed), handled,
-                                   params, updates)
-            new_state = StochasticRoundingState(inner_state, next_key, state.dtypes, state.landed)
-        return updates, new_state._replace(landed=_landed(params, updates, handled))
+        return _updated(inner, method, impl, warn_once, grads, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _updated(inner: optax.GradientTransformationExtraArgs, method: str, impl: Any,
+             warn_once: "_WarnOnce", grads: optax.Updates, state: LowPrecisionState,
+             params: optax.Params,
+             extra_args: dict[str, Any]) -> Tuple[optax.Updates, LowPrecisionState]:
+    """`low_precision_params`' update: checks, the inner update in float32, the method's
+    step, and the sampled weights of the next check."""
+    handled = _handled_leaves(params, method)
+    _check_still_narrow(method, state, handled)
+    zero = _check_landed(state.landed, params, handled, warn_once)
+    grads = _after(zero, _widened(grads, handled), handled)
+    seen = _params_seen_by_inner(params, state, handled)
+    updates, inner_state = inner.update(grads, state.inner_state, seen, **extra_args)
+    updates, new_state = _stepped(state, inner_state, handled, params, seen, updates, impl)
+    return updates, new_state._replace(landed=_landed(params, updates, handled))
+
+
+def _initial_state(inner: optax.GradientTransformationExtraArgs, method: str, key: jax.Array,
+                   params: optax.Params) -> LowPrecisionState:
+    """`low_precision_params`' state for ``params``: the inner optimizer's, and the
+    method's buffers."""
+    handled = _handled_leaves(params, method, warn=True)
+    inner_state = inner.init(_widened(params, handled))
+    _refuse_inner_loss_scaling("low_precision_params", inner_state)
+    # No update has landed yet: the buffers say nothing about the weights, so
+    # weights changed before the first update (pretrained ones loaded) are fine.
+    landed = jnp.full_like(_samples(params, handled), _NOT_LANDED)
+    if method == "kahan":
+        # -0.0, the additive identity: x + (-0.0) is x for every x, -0.0 included.
+        return KahanState(inner_state, _buffers(params, handled, lambda p: -jnp.zeros_like(p)),
+                          landed)
+    if method == "split":
+        return SplitState(inner_state,
+                          _buffers(params, handled, lambda p: jnp.zeros_like(p, jnp.uint16)),
+                          landed)
+    return StochasticRoundingState(
+        inner_state, key, _buffers(params, handled, lambda p: jnp.zeros((), p.dtype)), landed)
+
+
+def _stepped(state: LowPrecisionState, inner_state: optax.OptState, handled: Any,
+             params: Any, seen: Any, updates: Any,
+             impl: Any) -> Tuple[optax.Updates, LowPrecisionState]:
+    """The method's step on every handled parameter: the updates that take each weight to
+    its new value, and the new state (``landed`` as it was)."""
+    if isinstance(state, KahanState):
+        updates, compensation = _per_leaf(_kahan_step, handled, params, updates,
+                                          state.compensation)
+        return updates, KahanState(inner_state, compensation, state.landed)
+    if isinstance(state, SplitState):
+        updates, low_bits = _per_leaf(_split_step, handled, seen, updates, params)
+        return updates, SplitState(inner_state, low_bits, state.landed)
+    next_key, seed = _step_seed(state.key, impl)
+    updates, _ = _per_leaf(functools.partial(_stochastic_step, seed=seed), handled,
+                           params, updates)
+    return updates, StochasticRoundingState(inner_state, next_key, state.dtypes, state.landed)
+
+
 def cast_state(
-    inner: optax.GradientTransformation,
-    dtype: Any = jnp.bfloat16,
-    *,
-    rounding: str = "stochastic",
-    seed: Seed = 0,
+    inner: optax.GradientTransformation, dtype: Any = jnp.bfloat16, *,
+    rounding: str = "stochastic", seed: Seed = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Stores ``inner``'s state in ``dtype``; ``inner`` still computes in float32.
 
@@ -282,7 +284,7 @@ def cast_state(
     """
     dtype = _narrow_dtype(dtype)
     rounding = _check_choice("cast_state", "rounding", rounding, ROUNDINGS)
-    data, impl = _key_data(seed, _STATE_STREAM, "cast_state")
+    data, impl = _key_data(seed, formats.SEED_STREAMS.cast_state, "cast_state")
     key = data if rounding == "stochastic" else None
     inner = optax.with_extra_args_support(inner)
 
@@ -355,12 +357,12 @@ def _kahan_step(p: jax.Array, update: jax.Array, c: jax.Array) -> Tuple[jax.Arra
 
 
 def _stochastic_step(p: jax.Array, update: jax.Array, *, seed: jax.Array) -> Tuple[jax.Array, None]:
-    return _update_to(p, _stochastic_round(p.astype(jnp.float32) + update, p.dtype, seed)), None
+    return _update_to(p, formats.encode(p.astype(jnp.float32) + update, p.dtype, seed)), None
 
 
 def _split_step(weight: jax.Array, update: jax.Array, p: jax.Array) -> Tuple[jax.Array, jax.Array]:
     # The same float32 addition optax.apply_updates makes on float32 weights.
-    high, low = _split_float32(jnp.asarray(weight + update).astype(jnp.float32))
+    high, low = formats.split_float32(jnp.asarray(weight + update).astype(jnp.float32))
     return _update_to(p, high), low
 
 
@@ -405,7 +407,7 @@ def _per_leaf(step: Callable[..., Tuple[Any, Any]], handled: Any, *trees: Any) -
 
 def _update_to(p: jax.Array, new: jax.Array) -> jax.Array:
     """The float32 update with which ``optax.apply_updates`` moves ``p`` to ``new``."""
-    unchanged = _bits(p) == _bits(new)
+    unchanged = formats.bits_of(p) == formats.bits_of(new)
     # -0.0: p + (-0.0) is p for every p, signed zeros, infinities and NaNs included.
     return jnp.where(unchanged, -0.0, new.astype(jnp.float32) - p.astype(jnp.float32))
 
@@ -413,30 +415,6 @@ def _update_to(p: jax.Array, new: jax.Array) -> jax.Array:
 def _applied(p: jax.Array, update: jax.Array) -> jax.Array:
     """What ``optax.apply_updates`` makes of ``p`` and a float32 ``update``."""
     return formats.encode(p.astype(jnp.float32) + update, p.dtype)
-
-
-def _bits(x: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-
-
-def _stochastic_round(x: jax.Array, dtype: Any, seed: jax.Array) -> jax.Array:
-    """Float32 ``x`` in ``dtype``, rounded stochastically (``formats.round_stochastic``:
-    for bfloat16, random bits added below its mantissa and dropped) with bits from
-    ``seed``, salted with the bits of ``x`` (see ``formats.random_bits``)."""
-    return formats.encode(x, dtype, formats.salted_bits(seed, x))
-
-
-def _split_float32(x: jax.Array) -> Tuple[jax.Array, jax.Array]:
-    """A float32 array as (its high 16 bits as bfloat16, its low 16 bits as uint16)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    high = jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
-    return high, (bits & 0xFFFF).astype(jnp.uint16)
-
-
-def _join_float32(high: jax.Array, low: jax.Array) -> jax.Array:
-    """The inverse of `_split_float32`."""
-    bits = (_bits(high).astype(jnp.uint32) << 16) | low.astype(jnp.uint32)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 # --------------------------------------------------------------------------- #
@@ -660,7 +638,8 @@ def _params_seen_by_inner(params: Any, state: LowPrecisionState, handled: Any) -
             handled, params, state.compensation)
     if isinstance(state, SplitState):
         return jax.tree_util.tree_map(
-            lambda h, p, low: _join_float32(p, low) if h else p, handled, params, state.low_bits)
+            lambda h, p, low: formats.join_float32(p, low) if h else p, handled, params,
+            state.low_bits)
     return _widened(params, handled)
 
 
@@ -680,7 +659,7 @@ def _narrowed(state: Any, dtype: Any, seed: Optional[jax.Array]) -> Any:
             return x
         if seed is None:
             return jnp.asarray(x).astype(dtype)
-        return _stochastic_round(jnp.asarray(x, jnp.float32), dtype, seed)
+        return formats.encode(jnp.asarray(x, jnp.float32), dtype, seed)
 
     return jax.tree_util.tree_map(narrow, state)
 

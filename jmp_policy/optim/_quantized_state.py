@@ -131,15 +131,10 @@ class QuantizedState(NamedTuple):
 
 
 def quantize_state(
-    inner: optax.GradientTransformation,
-    *,
-    bits: int = 8,
-    block_size: Optional[int] = None,
-    min_size: int = 4096,
-    keep: Union[str, Sequence[str]] = (),
+    inner: optax.GradientTransformation, *, bits: int = 8, block_size: Optional[int] = None,
+    min_size: int = 4096, keep: Union[str, Sequence[str]] = (),
     moments: Union[str, Sequence[str]] = MOMENTS,
-    nonnegative: Optional[Union[str, Sequence[str]]] = None,
-    rounding: str = "stochastic",
+    nonnegative: Optional[Union[str, Sequence[str]]] = None, rounding: str = "stochastic",
     seed: Seed = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Stores ``inner``'s large state arrays in 8 or 4 bits; ``inner`` still computes in float32.
@@ -171,56 +166,19 @@ def quantize_state(
       `QuantizedState`. Put `loss_scaling` outside it: a skipped step then
       leaves the quantized state unchanged, bit for bit.
     """
-    if bits not in BITS:
-        raise ValueError(f"quantize_state: bits must be 8 or 4, got {bits!r}.")
-    if bits == 8 and nonnegative is not None:
-        raise ValueError("quantize_state: nonnegative applies to 4-bit states (bits=4); "
-                         "8-bit states are float8, signed, for every array.")
-    block_size = DEFAULT_BLOCK_SIZE[bits] if block_size is None else block_size
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"quantize_state: block_size must be a positive int, got {block_size!r}.")
+    plan = _plan(bits, block_size, min_size, keep, moments, nonnegative)
     rounding = _check_choice("quantize_state", "rounding", rounding, ROUNDINGS)
-    rules = _compiled(keep)
-    allowed = _compiled(moments)
-    user_nonnegative = nonnegative is not None
-    positive = _compiled(NONNEGATIVE if nonnegative is None else nonnegative)
-    data, impl = _key_data(seed, 3, "quantize_state")
+    data, impl = _key_data(seed, formats.SEED_STREAMS.quantize_state, "quantize_state")
     key = data if rounding == "stochastic" else None
     inner = optax.with_extra_args_support(inner)
-
-    def code(path: Any, unit: Any) -> Optional[str]:
-        """The code of one state array (or of the node standing for it), or ``None``
-        for an array kept as it is."""
-        if not _quantized_leaf(path, _array(unit), block_size, min_size, allowed, rules):
-            return None
-        if bits == 8:
-            return FLOAT8
-        name = jax.tree_util.keystr(path)
-        return NONNEGATIVE4 if any(r.search(name) for r in positive) else SIGNED4
-
-    def quantized(state: Any, seed: Optional[jax.Array]) -> Any:
-        units, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_array_node)
-        return jax.tree_util.tree_unflatten(treedef, [
-            _quantized_unit(unit, code(path, unit), block_size, seed) for path, unit in units])
-
-    @jax.jit
-    def initially_quantized(inner_state: Any) -> Any:
-        # One program: called eagerly, as optax's init usually is, each of the
-        # quantization's operations would compile apart (seconds per leaf shape).
-        # The initial state is usually constant (zeros): behind the barrier, XLA
-        # does not fold its quantization at compile time, which takes seconds.
-        inner_state = jax.lax.optimization_barrier(inner_state)  # type: ignore[no-untyped-call]
-        return quantized(inner_state, None)
+    # One program: called eagerly, as optax's init usually is, each of the
+    # quantization's operations would compile apart (a program per leaf shape).
+    initially_quantized = jax.jit(plan.initially_quantized)
 
     def init_fn(params: optax.Params) -> QuantizedState:
         inner_state = inner.init(params)
         _refuse_inner_loss_scaling("quantize_state", inner_state)
-        _check_rules(inner_state, rules, block_size, min_size, "keep")
-        if moments is not MOMENTS:
-            _check_rules(inner_state, allowed, block_size, min_size, "moments")
-        _check_some_quantized(inner_state, allowed, block_size, min_size)
-        if user_nonnegative:
-            _check_rules(inner_state, positive, block_size, min_size, "nonnegative")
+        plan.check(inner_state)
         return QuantizedState(initially_quantized(inner_state), key)
 
     def update_fn(grads: optax.Updates, state: QuantizedState,
@@ -229,13 +187,76 @@ def quantize_state(
         if not isinstance(state, QuantizedState):
             raise TypeError("quantize_state.update expected the QuantizedState made by this "
                             f"transformation's init, got {type(state).__name__}.")
-
         widened = jax.tree_util.tree_map(dequantize, state.inner_state, is_leaf=_is_quantized)
         updates, inner_state = inner.update(grads, widened, params, **extra_args)
         next_key, seed = (None, None) if state.key is None else _step_seed(state.key, impl)
-        return updates, QuantizedState(quantized(inner_state, seed), next_key)
+        return updates, QuantizedState(plan.quantized(inner_state, seed), next_key)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Which state arrays `quantize_state` quantizes, and with which code."""
+
+    bits: int
+    block_size: int
+    min_size: int
+    keep: list[re.Pattern[str]]
+    moments: list[re.Pattern[str]]
+    nonnegative: list[re.Pattern[str]]
+    user_moments: bool  # rules the user gave are checked for matching something
+    user_nonnegative: bool
+
+    def code(self, path: Any, unit: Any) -> Optional[str]:
+        """The code of one state array (or of the node standing for it), or ``None``
+        for an array kept as it is."""
+        if not _quantized_leaf(path, _array(unit), self.block_size, self.min_size,
+                               self.moments, self.keep):
+            return None
+        if self.bits == 8:
+            return FLOAT8
+        name = jax.tree_util.keystr(path)
+        return NONNEGATIVE4 if any(r.search(name) for r in self.nonnegative) else SIGNED4
+
+    def initially_quantized(self, inner_state: Any) -> Any:
+        # The initial state is usually constant (zeros): behind the barrier, XLA does
+        # not fold its quantization at compile time, element by element.
+        inner_state = jax.lax.optimization_barrier(inner_state)  # type: ignore[no-untyped-call]
+        return self.quantized(inner_state, None)
+
+    def quantized(self, state: Any, seed: Optional[jax.Array]) -> Any:
+        units, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_array_node)
+        return jax.tree_util.tree_unflatten(treedef, [
+            _quantized_unit(unit, self.code(path, unit), self.block_size, seed)
+            for path, unit in units])
+
+    def check(self, inner_state: Any) -> None:
+        """Warns of rules that match nothing, and of a state with nothing to quantize."""
+        sizes = (self.block_size, self.min_size)
+        _check_rules(inner_state, self.keep, *sizes, "keep")
+        if self.user_moments:
+            _check_rules(inner_state, self.moments, *sizes, "moments")
+        _check_some_quantized(inner_state, self.moments, *sizes)
+        if self.user_nonnegative:
+            _check_rules(inner_state, self.nonnegative, *sizes, "nonnegative")
+
+
+def _plan(bits: int, block_size: Optional[int], min_size: int,
+          keep: Union[str, Sequence[str]], moments: Union[str, Sequence[str]],
+          nonnegative: Optional[Union[str, Sequence[str]]]) -> _Plan:
+    """`quantize_state`'s arguments checked and compiled."""
+    if bits not in BITS:
+        raise ValueError(f"quantize_state: bits must be 8 or 4, got {bits!r}.")
+    if bits == 8 and nonnegative is not None:
+        raise ValueError("quantize_state: nonnegative applies to 4-bit states (bits=4); "
+                         "8-bit states are float8, signed, for every array.")
+    block_size = DEFAULT_BLOCK_SIZE[bits] if block_size is None else block_size
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"quantize_state: block_size must be a positive int, got {block_size!r}.")
+    return _Plan(bits, block_size, min_size, _compiled(keep), _compiled(moments),
+                 _compiled(NONNEGATIVE if nonnegative is None else nonnegative),
+                 moments is not MOMENTS, nonnegative is not None)
 
 
 # --------------------------------------------------------------------------- #
@@ -251,24 +272,29 @@ _LOG2_RANGE = {FLOAT8: 8, SIGNED4: 0, NONNEGATIVE4: 8}
 
 def _exponents(x: Any, block_size: int, code: str) -> jax.Array:
     """The uint8 exponent of each block's scale: the smallest power of two that puts
-    every scaled value below ``2 ** _LOG2_RANGE[code]`` (``formats.scale_exponent``)."""
+    every scaled value below ``2 ** _LOG2_RANGE[code]`` (``formats.block_exponent``).
+
+    MXFP8's rule (``formats.e8m0_scale``) with two differences: the bound is a power of
+    two at most the code's largest value, and strict, so that a block's largest value
+    lands in the binade just below it, whatever the code, and a value stochastically
+    rounded up stays a code; and only the largest magnitude's binade is read (an exponent field, a byte),
+    which gives the same power of two for a power-of-two bound."""
     x = jnp.asarray(x, jnp.float32)
     magnitude = jnp.abs(x).reshape(*x.shape[:-1], -1, block_size)
     # XLA:GPU reduces in the kernel that computes the magnitudes and stores nothing:
     # there the halving below would only add operations to every quantizing kernel.
     largest = jax.lax.platform_dependent(magnitude, cpu=_halved_largest_field,
                                          default=_largest_field)
-    binade = _power_of_two(largest)  # 0 for a block of zeros and subnormals, inf for inf/NaN
-    exponent = formats.scale_exponent(binade, 2.0 ** _LOG2_RANGE[code], strict=True)
-    # Clipped to the exponents of normal float32 scales (and their inverses).
-    return jnp.clip(exponent, 1, 254).astype(jnp.uint8)
+    # 0 for a block of zeros and subnormals, inf for inf/NaN.
+    binade = formats.power_of_two(largest)
+    exponent = formats.block_exponent(binade, 2.0 ** _LOG2_RANGE[code], strict=True)
+    return exponent.astype(jnp.uint8)
 
 
 def _largest_field(magnitude: jax.Array) -> jax.Array:
     """The largest float32 exponent field along the last axis (a block): the rule needs
     no more of the largest magnitude than its binade."""
-    fields = (jax.lax.bitcast_convert_type(magnitude, jnp.uint32) >> 23).astype(jnp.uint8)
-    return jnp.max(fields, axis=-1)
+    return jnp.max(formats.exponent_field(magnitude).astype(jnp.uint8), axis=-1)
 
 
 def _halved_largest_field(magnitude: jax.Array) -> jax.Array:
@@ -311,12 +337,6 @@ def _partitioned(fun: Callable[..., Any], x: jax.Array, block_size: int,
     return jax.sharding.auto_axes(fun, out_sharding=out(split))(x, *args)
 
 
-def _power_of_two(biased: jax.Array) -> jax.Array:
-    """``2.0 ** (biased - 127)`` for uint8/int32 ``biased`` in [1, 254], exactly (0 gives
-    0.0, 255 inf)."""
-    return jax.lax.bitcast_convert_type(biased.astype(jnp.int32) << 23, jnp.float32)
-
-
 def quantize(x: Any, block_size: int, code: str = FLOAT8,
              seed: Optional[jax.Array] = None) -> QuantizedArray:
     """``x`` as a `QuantizedArray` with blocks of ``block_size`` along its last axis,
@@ -327,7 +347,7 @@ def quantize(x: Any, block_size: int, code: str = FLOAT8,
     def quantized(x: jax.Array, *seed: jax.Array) -> Tuple[jax.Array, jax.Array]:
         exponents = _exponents(x, block_size, code)
         blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
-        y = blocks * _power_of_two(254 - exponents.astype(jnp.int32))[..., None]
+        y = blocks * formats.power_of_two(254 - exponents.astype(jnp.int32))[..., None]
         # Salted with the values' bits: one seed serves every array of a step.
         bits = formats.salted_bits(seed[0], y) if seed else None
         if code == FLOAT8:
@@ -366,7 +386,7 @@ def dequantize(x: Any) -> Any:
 def _times_scales(values: jax.Array, exponents: jax.Array) -> jax.Array:
     """``values`` times the power-of-two scale of each one's block."""
     blocks = values.reshape(*exponents.shape, -1)
-    return (blocks * _power_of_two(exponents)[..., None]).reshape(values.shape)
+    return (blocks * formats.power_of_two(exponents)[..., None]).reshape(values.shape)
 
 
 # --------------------------------------------------------------------------- #
@@ -379,55 +399,32 @@ def _times_scales(values: jax.Array, exponents: jax.Array) -> jax.Array:
 # kernels that quantize each array small (their size is the step's compile time).
 # --------------------------------------------------------------------------- #
 
-_SIGN, _INF = np.int32(-(1 << 31)), np.int32(0x7F800000)
-
-
-def _magnitude(y: jax.Array) -> Tuple[jax.Array, jax.Array]:
-    """The bit pattern of float32 ``y`` and of its magnitude (int32)."""
-    pattern = jax.lax.bitcast_convert_type(y, jnp.int32)
-    return pattern, pattern & np.int32(0x7FFFFFFF)
-
-
-def _pattern(value: float) -> np.int32:
-    return np.float32(value).view(np.int32)
-
-
-def _rounded(magnitude: jax.Array, grid: Any, bits: Optional[jax.Array]) -> jax.Array:
+def _rounded(magnitude: jax.Array, grid: Any, bits: Optional[jax.Array],
+             raised_below_smallest: bool = False) -> jax.Array:
     """``magnitude`` (a pattern, within ``grid``'s range) rounded to ``grid`` (a dtype or a
-    ``formats.Format``), as a pattern."""
+    ``formats.Format``), as a pattern (see ``formats.round_magnitude_stochastic`` for
+    ``raised_below_smallest``)."""
     if bits is None:
-        nearest = formats.round_nearest(jax.lax.bitcast_convert_type(magnitude, jnp.float32),
-                                         grid)
-        return jax.lax.bitcast_convert_type(nearest, jnp.int32)
-    return formats.round_magnitude_stochastic(magnitude, grid, bits)
-
-
-def _nonzero(magnitude: jax.Array) -> jax.Array:
-    """-1 (all bits) where the pattern ``magnitude`` is nonzero, else 0: the sign bit of
-    its negation, spread by an arithmetic shift."""
-    return jax.lax.shift_right_arithmetic(-magnitude, np.int32(31))
+        return jax.lax.bitcast_convert_type(
+            formats.round_nearest(formats.as_float(magnitude), grid), jnp.int32)
+    return formats.round_magnitude_stochastic(magnitude, grid, bits,
+                                              raised_below_smallest=raised_below_smallest)
 
 
 # float8_e4m3fn's subnormals are 2**-9 apart.
 _F8 = jnp.float8_e4m3fn
-_F8_SMALLEST = _pattern(formats.format_of(_F8).smallest)
+_F8_SMALLEST = formats.pattern(formats.format_of(_F8).smallest)
 
 
 def _float8(y: jax.Array, bits: Optional[jax.Array]) -> jax.Array:
-    pattern, magnitude = _magnitude(y)
+    sign, magnitude = formats.split_sign(y)
     # NaN as inf: the conversion makes both NaN (float8_e4m3fn has no inf).
-    magnitude = jnp.minimum(magnitude, _INF)
-    if bits is None:
-        rounded = _rounded(magnitude, _F8, None)
-    else:
-        # Stochastically from the smallest subnormal up (formats.dropped_bits); a
-        # magnitude below it rounds to a power of two below it, raised just below.
-        rounded = formats.round_bits_stochastic(
-            magnitude, formats.dropped_bits(magnitude, _F8), bits)
+    rounded = _rounded(jnp.minimum(magnitude, formats.INF_BITS), _F8, bits,
+                       raised_below_smallest=True)
     # Nonzero stays nonzero: a nonzero magnitude rounded below the smallest float8 one
     # is that one (with the value's sign).
-    rounded = jnp.maximum(rounded, _F8_SMALLEST & _nonzero(magnitude))
-    return jax.lax.bitcast_convert_type(rounded | (pattern & _SIGN), jnp.float32).astype(_F8)
+    rounded = jnp.maximum(rounded, _F8_SMALLEST & formats.nonzero_mask(magnitude))
+    return formats.as_float(rounded | sign).astype(_F8)
 
 
 # The 4-bit codes are int4, which XLA stores two per byte in the state's shape,
@@ -435,7 +432,7 @@ def _float8(y: jax.Array, bits: Optional[jax.Array]) -> jax.Array:
 # weights (a donated state is then updated in place); int4 rather than uint4:
 # orbax saves it. Each decodes into the bits of a float8_e4m3fn with two
 # integer operations: cheap enough that XLA:GPU recomputes the state in each
-# kernel that reads it rather than store it (benchmarks/bench_xla_gpu_memory.py).
+# kernel that reads it rather than store it.
 
 # signed4: bit 3 the sign, bits 0-2 ``k``: 0 for zero, else the magnitude
 # 2**(k - 7), which is the float8_e4m3fn of exponent field k and no mantissa: the grid
@@ -444,14 +441,14 @@ _S4_GRID = formats.grid(0, -6, 1.0)
 
 
 def _signed4(y: jax.Array, bits: Optional[jax.Array]) -> jax.Array:
-    pattern, magnitude = _magnitude(y)
+    sign, magnitude = formats.split_sign(y)
     # Below 1, or inf or NaN: 1, the largest code.
-    rounded = _rounded(jnp.minimum(magnitude, _pattern(1.0)), _S4_GRID, bits)
+    rounded = _rounded(jnp.minimum(magnitude, formats.pattern(1.0)), _S4_GRID, bits)
     # k from the exponent field: 2**-6 (field 121) is 1 ... 1 (field 127) is 7; zero's is 0.
-    k = jnp.maximum((rounded >> 23) - 120, 0)
+    k = jnp.maximum(formats.exponent_field(rounded) - 120, 0)
     # The int4 of bits (sign, k): k, or k - 8 with the sign bit (the arithmetic shift
     # spreads it).
-    return (k | ((pattern >> 31) & -8)).astype(jnp.int4)
+    return (k | ((sign >> 31) & -8)).astype(jnp.int4)
 
 
 def _signed4_values(codes: jax.Array) -> jax.Array:
@@ -477,7 +474,7 @@ def _nonnegative4(y: jax.Array, bits: Optional[jax.Array]) -> jax.Array:
     # value's is a negative int32): below the smallest (0 too) rounds up to it; inf and
     # NaN to the largest.
     magnitude = jnp.clip(jax.lax.bitcast_convert_type(y, jnp.int32),
-                         _pattern(_N4_SMALLEST), _pattern(_N4_LARGEST))
+                         formats.pattern(_N4_SMALLEST), formats.pattern(_N4_LARGEST))
     if bits is None:
         rounded = _rounded(magnitude, _N4_GRID, None)
     else:  # from 1.5 up, the grid's normal range: its one mantissa bit kept
@@ -558,7 +555,7 @@ def _check_some_quantized(state: Any, allowed: Sequence[re.Pattern[str]], block_
             f"quantize_state: no state array is quantized: the moments rules name none of "
             f"the {len(large)} large ones (e.g. {large[0]!r}). Pass moments=[...] with "
             "regular expressions naming the optimizer's moment fields.",
-            UserWarning, stacklevel=3)
+            UserWarning, stacklevel=4)
 
 
 def _compiled(rules: Union[str, Sequence[str]]) -> list[re.Pattern[str]]:
@@ -575,7 +572,7 @@ def _check_rules(state: Any, rules: Sequence[re.Pattern[str]], block_size: int,
         if not any(rule.search(name) for name, _ in paths):
             warnings.warn(f"quantize_state: the {argument} rule {rule.pattern!r} matches no "
                           f"array of the optimizer state (its paths look like "
-                          f"{paths[0][0]!r}).", UserWarning, stacklevel=3)
+                          f"{paths[0][0]!r}).", UserWarning, stacklevel=4)
     if argument != "keep":
         return
     odd = [name for name, x in paths
@@ -585,4 +582,4 @@ def _check_rules(state: Any, rules: Sequence[re.Pattern[str]], block_size: int,
             f"quantize_state: {len(odd)} state array(s) stay in float32 because their last "
             f"dimension and block_size={block_size} have no common divisor of at least "
             f"{min(block_size, _MIN_BLOCK)} (e.g. {odd[0]}); pass a block_size that divides "
-            "it.", UserWarning, stacklevel=3)
+            "it.", UserWarning, stacklevel=4)
