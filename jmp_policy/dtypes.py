@@ -7,13 +7,14 @@ returns and what JAX arrays, numpy arrays and tracers all expose as ``.dtype``.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from typing import Optional, Sequence
 from jax import lax
+
+from jmp_policy.formats import facts_of
 
 __all__ = ["DType", "F32", "VALID_DTYPE_NAMES", "canonical_dtype", "convert", "dtype_of",
            "floating_dtype", "half_dtype", "has_float32_range", "holds", "is_floating",
@@ -138,16 +139,15 @@ def is_floating(x: Any) -> bool:
 @functools.lru_cache(maxsize=None)
 def represents(wide: DType, narrow: DType) -> bool:
     """True when every value of ``narrow`` is exactly a value of ``wide``."""
-    a, b = jnp.finfo(wide), jnp.finfo(narrow)  # type: ignore[no-untyped-call]
-    return bool(a.nexp >= b.nexp and a.nmant >= b.nmant)
+    a, b = facts_of(wide), facts_of(narrow)
+    return a.exponent_bits >= b.exponent_bits and a.mantissa >= b.mantissa
 
 
 @functools.lru_cache(maxsize=None)
 def has_float32_range(dtype: Any) -> bool:
     """Whether ``dtype`` reaches float32's largest values (bfloat16 does, float16 does not):
     what overflows float16 does not overflow it."""
-    info, f32 = jnp.finfo(dtype), jnp.finfo(F32)  # type: ignore[no-untyped-call]
-    return int(info.maxexp) >= int(f32.maxexp)
+    return facts_of(dtype).exponent_bits >= facts_of(F32).exponent_bits
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,8 +193,8 @@ def holds(dtype: DType, value: Any) -> bool:
     """Whether ``dtype`` holds the scalar ``value`` to within its rounding: ``value`` is
     not finite, zero, or a normal number of ``dtype`` (neither overflows nor flushes)."""
     v = abs(float(np.asarray(value, np.float64)))
-    info = jnp.finfo(dtype)  # type: ignore[no-untyped-call]
-    return not np.isfinite(v) or v == 0 or float(info.smallest_normal) <= v <= float(info.max)
+    fmt = facts_of(dtype)
+    return not np.isfinite(v) or v == 0 or fmt.tiny <= v <= fmt.max
 
 
 def struct(shape: Sequence[int], dtype: Any, weak_type: bool = False) -> jax.ShapeDtypeStruct:

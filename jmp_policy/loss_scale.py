@@ -39,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
+from jmp_policy.formats import facts_of
+
 __all__ = [
     "DEFAULT_DYNAMIC",
     "NO_SCALING",
@@ -58,7 +60,7 @@ T = TypeVar("T")
 
 # A dynamic scale stops here even with ``min_loss_scale=0``: below it float32
 # turns subnormal and then zero, and a zero scale could never grow back.
-_SMALLEST_SCALE = float(np.finfo(np.float32).tiny)
+_SMALLEST_SCALE = facts_of(np.float32).tiny
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
