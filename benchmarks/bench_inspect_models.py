@@ -1,6 +1,6 @@
 """The numerics inspector on the real-model suite: first-call cost, rows, suggested loss scale.
 
-The models are those of ``tests/real_models.py`` (linen LM and ResNet, NNX
+The models are those of ``tests/support/real_models.py`` (linen LM and ResNet, NNX
 decoder and BatchNorm MLP, Equinox ViT), in train mode, and the example
 transformer LM (``examples/transformer_lm.py``, default ``Config``). Per model,
 ``inspect_numerics(loss, "mixed_float16", argnums=0)``:

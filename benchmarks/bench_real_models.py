@@ -1,6 +1,6 @@
 """Autocast on the real-model zoo: each model's loss and gradients under every precision.
 
-The models are those of ``tests/real_models.py`` (a Flax linen LM with a tied
+The models are those of ``tests/support/real_models.py`` (a Flax linen LM with a tied
 head, padding and dropout; a linen ResNet with BatchNorm; an NNX decoder with
 RMSNorm, grouped-query attention and rotary embeddings; an NNX MLP with
 BatchNorm; an Equinox ViT with integer fields), in train mode under ``jit``.
@@ -39,9 +39,16 @@ TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tes
 
 
 def load(name: str) -> Any:
-    """A module of ``tests/`` by path, registered under its name (so that the test module's
-    ``importorskip("real_models")`` finds the zoo loaded first)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(TESTS, f"{name}.py"))
+    """A module of ``tests/`` by path, registered under its name; first the suite's
+    helpers, the package ``tests/support``, which the test modules import."""
+    if name == "support":  # a package: ``support.real_models`` is found on its path
+        folder = os.path.join(TESTS, "support")
+        spec = importlib.util.spec_from_file_location(
+            name, os.path.join(folder, "__init__.py"), submodule_search_locations=[folder])
+    else:
+        if "support" not in sys.modules:
+            load("support")
+        spec = importlib.util.spec_from_file_location(name, os.path.join(TESTS, f"{name}.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -64,7 +71,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    load("real_models")
     tests = load("test_real_models_autocast")
     names = ["linen_lm", "eqx_vit"] if args.quick else tests.NAMES
     steps = 3 if args.quick else args.steps

@@ -1,4 +1,4 @@
-"""Which float roundings XLA:GPU keeps: the observations behind tests/excess_precision.py.
+"""Which float roundings XLA:GPU keeps: the observations behind tests/support/excess_precision.py.
 
 Compiles small programs for an H100 (deviceless where there is no GPU) and reads
 the optimized HLO: a narrow round trip through a layout operation, in the

@@ -19,6 +19,13 @@ for _flag in _FAST_COMPILE:
     if _flag not in os.environ.get("XLA_FLAGS", ""):  # pytest-xdist workers inherit them
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
+# Child interpreters (the tests' scripts, the examples, tests/support's workers) import
+# this checkout's jmp_policy, as the tests do, not one installed from another checkout.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
 # The deviceless XLA:GPU tier (tests/test_xla_gpu.py) compiles with the CUDA plugin's
 # compiler. Without a GPU driver the plugin's version check can only fail, and the plugin
 # then does not register: skip the check there, before JAX starts its backends.
@@ -36,9 +43,9 @@ jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-# The worker is a script run in subprocesses by test_distributed.py, not a test module:
-# keep --doctest-modules (pyproject) from importing it.
-collect_ignore = ["_distributed_worker.py"]
+# The worker is a script run in subprocesses by test_distributed.py, not a module to
+# import: keep --doctest-modules (pyproject) from importing it (it reads sys.argv).
+collect_ignore = ["support/distributed_worker.py"]
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 import jmp_policy
-from jaxpr_walk import eqns
+from support.jaxpr_walk import eqns
 from jmp_policy import autocast
 from jmp_policy import AutocastWarning
 

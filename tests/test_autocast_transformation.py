@@ -20,13 +20,13 @@ import optax
 import pytest
 
 import jmp_policy
-from jaxpr_walk import eqns, scoped_eqns
+from support.jaxpr_walk import eqns, scoped_eqns
 from jmp_policy.autocast._rules import scope_names
 
 nn = pytest.importorskip("flax.linen")
 nnx = pytest.importorskip("flax.nnx")
 eqx = pytest.importorskip("equinox")
-rm = pytest.importorskip("real_models")
+rm = pytest.importorskip("support.real_models")
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 E4M3 = np.dtype(jnp.float8_e4m3fn)

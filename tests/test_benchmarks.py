@@ -152,7 +152,7 @@ ENTRY %main (a: bf16[8,16], b: bf16[16,32], c: f8e4m3fn[8,16], e: f8e4m3fn[16,32
 def test_roofline_reads_gemms_and_bytes_of_a_known_module():
     """Without the CUDA plugin: a cuBLAS call and a Triton GEMM fusion are GEMMs of
     2*M*N*K FLOPs, split by operand type; bytes are operands + result (no workspace)."""
-    import xla_gpu  # loads benchmarks/ modules by path
+    from support import xla_gpu  # loads benchmarks/ modules by path
 
     xla_gpu.benchmark("gpu_fp8")
     roofline = xla_gpu.benchmark("roofline")
@@ -171,7 +171,7 @@ def test_roofline_reads_gemms_and_bytes_of_a_known_module():
 
 
 def _requires_cuda_plugin(test):
-    import xla_gpu
+    from support import xla_gpu
 
     return pytest.mark.xla_gpu(xla_gpu.requires_plugin(test))
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jmp_policy
-from excess_precision import COMPILERS
+from support.excess_precision import COMPILERS
 from jmp_policy import Float8Recipe, Float8State, autocast, float8_state
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0

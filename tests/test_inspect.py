@@ -20,7 +20,7 @@ import pytest
 from jax import lax
 
 import jmp_policy
-from excess_precision import COMPILERS, inspect_as_on_a_gpu
+from support.excess_precision import COMPILERS, inspect_as_on_a_gpu
 
 F16_MAX = float(np.finfo(np.float16).max)
 B, D, H, O, F = 32, 4, 8, 3, 5
@@ -58,7 +58,7 @@ def report():
 
 
 # The numerics tests run the inspector's program as XLA:CPU compiles it, and as XLA:GPU
-# does (tests/excess_precision.py): its counts must be those of what each computes.
+# does (tests/support/excess_precision.py): its counts must be those of what each computes.
 @pytest.fixture(params=list(COMPILERS))
 def compiler(request, monkeypatch):
     if request.param != "jit":

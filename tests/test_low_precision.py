@@ -19,8 +19,8 @@ import optax
 import pytest
 
 import jmp_policy
-from compiled_kernels import step_kernels
-from excess_precision import with_excess_precision
+from support.compiled_kernels import step_kernels
+from support.excess_precision import with_excess_precision
 
 METHODS = ["kahan", "stochastic", "split"]
 BF16 = jnp.bfloat16
@@ -51,7 +51,7 @@ def step(tx, params, grads, state):
 
 
 # XLA:CPU keeps every rounding; XLA:GPU under jit drops narrowing round trips
-# (tests/excess_precision.py). The methods must be exact either way.
+# (tests/support/excess_precision.py). The methods must be exact either way.
 COMPILERS = {"jit": jax.jit, "jit, excess precision as on a GPU":
              lambda f: jax.jit(with_excess_precision(f))}
 compilers = pytest.mark.parametrize("compile", list(COMPILERS.values()), ids=list(COMPILERS))

@@ -10,14 +10,14 @@ import optax
 import pytest
 
 import jmp_policy
-from compiled_kernels import step_kernels
-from excess_precision import with_excess_precision
+from support.compiled_kernels import step_kernels
+from support.excess_precision import with_excess_precision
 from jmp_policy import QuantizedArray, dequantize, quantize_state
 
 RNG = np.random.RandomState(0)
 
 # XLA:CPU keeps every rounding; XLA:GPU under jit drops narrowing round trips
-# (tests/excess_precision.py). The codes must be right either way.
+# (tests/support/excess_precision.py). The codes must be right either way.
 COMPILERS = {"jit": jax.jit, "jit, excess precision as on a GPU":
              lambda f: jax.jit(with_excess_precision(f))}
 compilers = pytest.mark.parametrize("compile", list(COMPILERS.values()), ids=list(COMPILERS))

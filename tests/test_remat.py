@@ -24,7 +24,7 @@ import pytest
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 
-from jaxpr_walk import eqns
+from support.jaxpr_walk import eqns
 from jmp_policy import Float8Recipe, autocast
 
 cp = jax.checkpoint_policies

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from _sharded_hlo import shared_run
+from support.sharded_hlo import shared_run
 
 RECIPES = ("none", "tensorwise", "rowwise", "mxfp8", "nvfp4")
 MODES = ("explicit", "auto")

@@ -1,5 +1,5 @@
 """The deviceless XLA:GPU tier: what XLA:GPU makes of the library's programs, read from the
-optimized H100 program (compiled here without a GPU; see tests/xla_gpu.py).
+optimized H100 program (compiled here without a GPU; see tests/support/xla_gpu.py).
 
 The suite's other tests run on XLA:CPU, which keeps every float rounding. XLA:GPU does
 not (``xla_allow_excess_precision``), turns float8 products into cuBLASLt or Triton
@@ -27,8 +27,8 @@ import optax
 import pytest
 
 import jmp_policy
-import jaxpr_walk
-import xla_gpu
+from support import jaxpr_walk
+from support import xla_gpu
 
 pytestmark = [pytest.mark.xla_gpu, xla_gpu.requires_plugin]
 
@@ -74,7 +74,7 @@ def assert_roundings_kept(name: str, fn: Callable[..., Any], *specs: Any,
     rounding the same sum) and drops dead ones, which lowers both counts alike; the
     bar is the sites XLA keeps when it may remove no round trip. It is necessary, not
     sufficient: XLA may duplicate a rounding into several kernels, which can hide a
-    removed one; the tests on XLA:CPU with tests/excess_precision.py check the values.
+    removed one; the tests on XLA:CPU with tests/support/excess_precision.py check the values.
     """
     sites = xla_gpu.quantization_sites(jax.make_jaxpr(fn)(*specs))
     assert sites or not sites_expected, f"{name}: no quantization site: not the program meant"

@@ -29,11 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxpr_walk
+from support import jaxpr_walk
 
 SKIP_REASON = "needs the CUDA plugin: pip install -e '.[test,xla-gpu]' — no GPU needed"
 
-_BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
+_BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir,
+                           "benchmarks")
 
 
 def plugin_missing() -> Optional[str]:
@@ -312,7 +313,7 @@ def inspector_program(inspect: Callable[..., Any], *args: Any, callbacks_as_outp
         if jax.eval_shape(program, *call_args)[1]:
             return (program if callbacks_as_outputs else fun), call_args
     raise AssertionError("the inspection jitted no program that makes host callbacks; "
-                         "tests/xla_gpu.py's inspector_program needs updating")
+                         "tests/support/xla_gpu.py's inspector_program needs updating")
 
 
 @contextlib.contextmanager

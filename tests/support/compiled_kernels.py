@@ -18,8 +18,8 @@ from typing import Any, Callable
 import jax
 import optax
 
-_HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks",
-                        "harness.py")
+_HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir,
+                        "benchmarks", "harness.py")
 
 
 def _harness() -> Any:
