@@ -225,6 +225,7 @@ def test_policy_api_gaps_are_closed():
     assert isinstance(jmp_policy.get_loss_scale(tx.init(jnp.ones(2))), jmp_policy.DynamicLossScale)
 
 
+@pytest.mark.slow  # a system test: a child interpreter on 4 devices
 def test_cast_to_compute_of_leaves_on_different_devices():
     script = textwrap.dedent("""
         import jax, jax.numpy as jnp, jmp_policy
@@ -535,6 +536,7 @@ def test_the_head_of_a_rebuilt_model_stays_out_of_float8(idiom):
         assert sorted(found) == sorted(_dot_dtypes(ref, ref_args, fp8="rowwise"))
 
 
+@pytest.mark.slow  # a system test: a child interpreter on 2 devices
 def test_importing_under_a_mesh_works():
     """jmp_policy reads shard_map's primitive off a trace when imported: under
     jax.set_mesh that trace must use the mesh in force."""

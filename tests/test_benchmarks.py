@@ -173,7 +173,7 @@ def test_roofline_reads_gemms_and_bytes_of_a_known_module():
 def _requires_cuda_plugin(test):
     from support import xla_gpu
 
-    return pytest.mark.xla_gpu(xla_gpu.requires_plugin(test))
+    return pytest.mark.slow(pytest.mark.xla_gpu(xla_gpu.requires_plugin(test)))
 
 
 @_requires_cuda_plugin

@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # system tests: child interpreters, devices and processes
+
 TESTS = pathlib.Path(__file__).resolve().parent
 WORKER = TESTS / "support" / "distributed_worker.py"
 TIMEOUT_S = 120

@@ -12,6 +12,8 @@ import pytest
 
 import jmp_policy
 
+pytestmark = pytest.mark.slow  # system tests: the examples as scripts
+
 pytest.importorskip("flax")
 pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")

@@ -497,6 +497,7 @@ print(json.dumps(out))
 '''
 
 
+@pytest.mark.slow  # a system test: a child interpreter on 4 devices
 def test_sharded_jit_and_shard_map_observe_the_global_maxima():
     """Data-parallel on 4 host devices (a subprocess): the operands' maxima are over the
     whole batch, as on one device, under jit's partitioner (auto and explicit axes) and

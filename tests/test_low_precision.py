@@ -76,6 +76,7 @@ def _high_half(x):
         jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32)
 
 
+@pytest.mark.slow  # a system test: 100 steps of the digits example's CNN
 def test_split_reproduces_float32_master_training_bit_for_bit(xla_cpu):
     """100 steps of the digits CNN: split's rebuilt float32 weights equal float32 master weights.
 
@@ -541,6 +542,7 @@ _SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a system test: a child interpreter on 8 devices
 def test_buffers_are_sharded_like_their_parameters(tmp_path):
     script, out = tmp_path / "sharded.py", tmp_path / "facts.json"
     script.write_text(_SHARDED)

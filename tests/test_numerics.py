@@ -14,6 +14,8 @@ import pytest
 
 import jmp_policy
 
+pytestmark = pytest.mark.slow  # system tests: train_digits.py's training runs on real data
+
 pytest.importorskip("flax")
 pytest.importorskip("sklearn")
 

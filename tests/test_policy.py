@@ -603,6 +603,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow  # a system test: a child interpreter on 8 devices
 def test_casts_preserve_shardings_on_8_devices():
     import os
     import subprocess

@@ -420,6 +420,7 @@ json.dump(facts, open(sys.argv[1], "w"))
 """
 
 
+@pytest.mark.slow  # a system test: a child interpreter on 8 devices
 def test_quantized_states_stay_sharded_like_their_parameters(tmp_path):
     import json
     import os

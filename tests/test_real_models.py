@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # a system test: the real-model zoo
+
 pytest.importorskip("flax")
 pytest.importorskip("equinox")
 import equinox as eqx  # noqa: E402

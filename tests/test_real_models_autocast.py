@@ -26,7 +26,8 @@ rm = pytest.importorskip("support.real_models")  # skips with flax or equinox mi
 nnx = pytest.importorskip("flax.nnx")
 eqx = pytest.importorskip("equinox")
 
-pytestmark = pytest.mark.filterwarnings("error")  # no AutocastWarning, no unmatched rule
+pytestmark = [pytest.mark.slow,  # a system test: the real-model zoo
+              pytest.mark.filterwarnings("error")]  # no AutocastWarning, no unmatched rule
 
 NAMES = sorted(rm.MODELS)
 HALF = {"mixed_bfloat16": 3e-2, "mixed_float16": 1e-2}  # loss tolerance; 5x for gradients

@@ -18,6 +18,7 @@ import pytest
 import jmp_policy
 
 rm = pytest.importorskip("support.real_models")  # skips with flax or equinox missing
+pytestmark = pytest.mark.slow  # a system test: the real-model zoo
 nnx = pytest.importorskip("flax.nnx")
 autocast_tests = pytest.importorskip("test_real_models_autocast")
 

@@ -14,6 +14,8 @@ import pytest
 
 from support.sharded_hlo import shared_run
 
+pytestmark = pytest.mark.slow  # a system test: a child interpreter on 8 devices
+
 RECIPES = ("none", "tensorwise", "rowwise", "mxfp8", "nvfp4")
 MODES = ("explicit", "auto")
 SHARDINGS = ("dp", "fsdp", "tp")

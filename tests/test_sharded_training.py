@@ -33,6 +33,8 @@ import pytest
 
 from support.sharded_hlo import SUPPORT, shared_run
 
+pytestmark = pytest.mark.slow  # a system test: a child interpreter on 8 devices
+
 MODES = ("explicit", "auto")
 FEATURES = ("q8", "q4", "cast", "lp")
 RECIPES = ("none", "tensorwise", "rowwise", "mxfp8", "nvfp4")

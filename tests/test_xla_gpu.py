@@ -30,7 +30,8 @@ import jmp_policy
 from support import jaxpr_walk
 from support import xla_gpu
 
-pytestmark = [pytest.mark.xla_gpu, xla_gpu.requires_plugin]
+# A system test tier (slow): compiles for an H100 with the CUDA plugin's compiler.
+pytestmark = [pytest.mark.xla_gpu, pytest.mark.slow, xla_gpu.requires_plugin]
 
 FIGURES: Dict[str, Any] = {}
 
