@@ -91,6 +91,7 @@ def test_a_linen_apply_with_a_python_flag():
     assert dropped.dtype == F16 and dropped.shape == (3, 2)
 
 
+@pytest.mark.slow  # a system test: the real-model zoo
 def test_an_equinox_module_with_int_fields_under_filter_grad():
     model = rm.MODELS["eqx_vit"]
     vit, batch = model.init(jax.random.key(0)), model.batch(jax.random.key(1))
@@ -123,6 +124,7 @@ def test_nnx_batch_statistics_are_written_back(how):
     np.testing.assert_allclose(mean, want, rtol=2e-2, atol=1e-4)
 
 
+@pytest.mark.slow  # a system test: the real-model zoo
 def test_nnx_rng_counters_advance_and_grads_flow():
     model = rm.MODELS["nnx_bn_mlp"]
     decoder, batch = model.init(jax.random.key(0)), model.batch(jax.random.key(1))
@@ -137,6 +139,7 @@ def test_nnx_rng_counters_advance_and_grads_flow():
 
 # 4. The loss is float32: loss scales grow past float16's range ------------------------------
 
+@pytest.mark.slow  # a system test: the real-model zoo
 def test_a_float32_class_loss_comes_back_float32_and_scales_freely():
     model = rm.MODELS["linen_lm"]
     variables, batch = model.init(jax.random.key(0)), model.batch(jax.random.key(1))
@@ -171,6 +174,7 @@ def test_the_dynamic_scale_grows_past_2_to_the_15():
 
 # 5. float32 is the identity ----------------------------------------------------------------
 
+@pytest.mark.slow  # a system test: the real-model zoo
 def test_float32_autocast_of_a_real_model_is_bit_identical():
     model = rm.MODELS["linen_lm"]
     variables, batch = model.init(jax.random.key(0)), model.batch(jax.random.key(1))
@@ -253,6 +257,7 @@ def test_set_nnx_policy_rules_alone_leave_other_layers_as_built():
 
 # 8. Scopes are module paths in every framework --------------------------------------------
 
+@pytest.mark.slow  # a system test: the real-model zoo
 def test_nnx_and_equinox_operations_are_named_by_module_path():
     decoder = rm.MODELS["nnx_decoder"]
     module, batch = decoder.init(jax.random.key(0)), decoder.batch(jax.random.key(1))
@@ -279,6 +284,7 @@ def test_nnx_and_equinox_operations_are_named_by_module_path():
     assert dtypes["ViT/blocks/1/fc1/eqx.nn.Linear"] == BF16
 
 
+@pytest.mark.slow  # a system test: the real-model zoo
 @pytest.mark.parametrize("name,head", [("linen_lm", "Embed_0.attend"),
                                        ("nnx_decoder", "embedder.attend"),
                                        ("eqx_vit", "ViT/head")])
@@ -299,6 +305,7 @@ def test_the_output_layer_stays_out_of_float8_by_default(name, head):
     assert E4M3 in {dtype for scope, dtype in found if head not in scope}
 
 
+@pytest.mark.slow  # a system test: the real-model zoo
 def test_fp8_on_a_convolutional_network_warns():
     model = rm.MODELS["linen_resnet"]
     variables, batch = model.init(jax.random.key(0)), model.batch(jax.random.key(1))
@@ -311,6 +318,7 @@ def test_fp8_on_a_convolutional_network_warns():
 
 # 9. Auxiliary outputs keep their precision ------------------------------------------------
 
+@pytest.mark.slow  # a system test: the real-model zoo
 def test_batch_stats_stay_float32_and_the_train_step_traces_once():
     model = rm.MODELS["linen_resnet"]
     variables, batch = model.init(jax.random.key(0)), model.batch(jax.random.key(1))

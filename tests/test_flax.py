@@ -21,11 +21,13 @@ import jmp_policy.flax as jf  # noqa: E402
 F32, F16, BF16 = np.dtype("float32"), np.dtype("float16"), np.dtype("bfloat16")
 
 
+@pytest.mark.slow  # a system test: a fresh child interpreter
 def test_import_jmp_policy_does_not_import_flax():
     code = "import sys, jmp_policy; assert 'flax' not in sys.modules, sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.slow  # a system test: a fresh child interpreter
 def test_import_without_flax_names_the_extra_to_install():
     code = """
 import sys

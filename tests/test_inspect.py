@@ -285,6 +285,7 @@ def test_plot_without_matplotlib_names_the_extra(report, tmp_path, monkeypatch):
         report.plot(str(tmp_path / "x.png"))
 
 
+@pytest.mark.slow  # a system test: a fresh child interpreter
 def test_import_does_not_import_matplotlib_or_flax():
     import subprocess
 
@@ -389,6 +390,7 @@ def _load_lm():
     return module
 
 
+@pytest.mark.slow  # a system test: examples/transformer_lm.py
 def test_the_example_transformer_lm_shows_its_module_paths():
     pytest.importorskip("flax")
     lm = _load_lm()

@@ -689,6 +689,7 @@ def test_bad_loss_scale_arguments():
         build(jnp.float32(2.0))
 
 
+@pytest.mark.slow  # a system test: a fresh child interpreter
 def test_import_does_not_initialise_jax_backends():
     # Users configure JAX (jax.distributed.initialize, device counts, platforms)
     # after their imports; an import that ran a JAX operation would forbid it.
