@@ -28,6 +28,10 @@ BLOCKS = ("mxfp8", "nvfp4")
 compilers = pytest.mark.parametrize("compile", list(COMPILERS.values()), ids=list(COMPILERS))
 
 
+# The quantization in one program: eagerly, its ~60 operations compile apart.
+quantize_blocks = jax.jit(_blocks.quantize_blocks, static_argnums=(1, 2))
+
+
 def rng(*shape, seed=0, scale=1.0):
     return jax.random.normal(jax.random.key(seed), shape) * scale
 
@@ -104,7 +108,7 @@ def test_block_recipes_reject_settings_that_cannot_apply(kwargs, error, match):
 def test_mxfp8_values_and_scales_by_hand():
     x = jnp.zeros((2, 32)).at[0, :4].set([1.0, 3.0, 448.0, 449.0]) \
         .at[1, :3].set([1.0, 0.3, -0.01])
-    q = _blocks.quantize_blocks(x, "mxfp8", jnp.float8_e4m3fn)
+    q = quantize_blocks(x, "mxfp8", jnp.float8_e4m3fn)
     # Row 0: 449 / 448 rounds up to the scale 2; 449 / 2 = 224.5 is 224 in e4m3 (spacing 16
     # from 128 to 256). Row 1: 1 / 448 rounds up to 2**-8; 0.3 * 256 = 76.8 is 80 (spacing 8),
     # -0.01 * 256 = -2.56 is -2.5 (spacing 0.25).
@@ -121,13 +125,13 @@ def test_nvfp4_values_block_and_tensor_scales_by_hand():
     # 2.5 -> 2 (a tie), 1.2 -> 1, 0.26 -> 0.5, 0.24 -> 0, -3.5 -> -4 (a tie).
     block = [6.0, 5.0, 4.9, 2.5, 1.2, 0.26, 0.24, -3.5]
     x = jnp.zeros((1, 32)).at[0, :8].set(block).at[0, 16].set(2688.0).at[0, 17].set(1000.0)
-    q = _blocks.quantize_blocks(x, "nvfp4", jnp.float4_e2m1fn)
+    q = quantize_blocks(x, "nvfp4", jnp.float4_e2m1fn)
     assert float(q.tensor_scale) == 1.0 and q.scales.tolist() == [[1.0, 448.0]]
     assert q.values.astype(F32)[0, :8].tolist() == [6.0, 4.0, 4.0, 2.0, 1.0, 0.5, 0.0, -4.0]
     # Block 1: 1000 / 448 = 2.23 -> 2.
     assert q.values.astype(F32)[0, 16:18].tolist() == [6.0, 2.0]
     # Scaled by 1 / 2 (tensor 2688 -> 5376): the tensor scale takes it all, the rest is equal.
-    half = _blocks.quantize_blocks(x * 2, "nvfp4", jnp.float4_e2m1fn)
+    half = quantize_blocks(x * 2, "nvfp4", jnp.float4_e2m1fn)
     assert float(half.tensor_scale) == 2.0 and (half.values == q.values).all()
 
 
@@ -166,11 +170,11 @@ def test_quantization_is_jaxs_reference_bit_for_bit():
     x = rng(2, 8, 128) * jnp.exp(3 * rng(2, 8, 128, seed=1))
     x = x.at[0, 0, :32].set(448.0)
     for scaling, dtype in (("mxfp8", E4M3), ("mxfp8", E5M2), ("nvfp4", E2M1)):
-        q = _blocks.quantize_blocks(x, scaling, dtype)
+        q = quantize_blocks(x, scaling, dtype)
         config = jax.nn.get_scaled_dot_general_config(
             scaling, global_scale=q.tensor_scale if scaling == "nvfp4" else None)
         config.data_type = dtype
-        values, scales = reference.quantize(x, config)
+        values, scales = jax.jit(lambda x: reference.quantize(x, config))(x)  # one program
         ours, theirs = np.asarray(q.values.astype(F32)), np.asarray(values.astype(F32))
         # Where they differ, JAX's conversion rounded twice (XLA:CPU's older emitters, which
         # the suite runs, round to float4 through float16): ours is the one rounding of the
@@ -470,6 +474,7 @@ def test_inspector_reports_block_products_with_saturated_and_flushed_values(
 
 # --- the example's mixture of experts ------------------------------------------------------
 
+@pytest.mark.slow  # a system test: examples/transformer_lm.py
 def test_example_lm_mixture_of_experts_runs_its_experts_in_float8(monkeypatch):
     import importlib.util
     import sys

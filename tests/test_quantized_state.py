@@ -475,8 +475,9 @@ def test_any_optimizer_steps_like_its_float32_self(make, bits):
 
     def run(tx):
         state, out = tx.init(params), []
+        update = jax.jit(tx.update)  # one program: eagerly, each step's operations compile apart
         for g in grads:
-            updates, state = tx.update(g, state, params)
+            updates, state = update(g, state, params)
             out.append(updates["w"])
         return np.stack(out), state
 
