@@ -58,3 +58,13 @@ def xla_cpu():
     """
     with jax.default_device(jax.devices("cpu")[0]):
         yield
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m reads the marks
+def pytest_collection_modifyitems(config, items):
+    """The docstrings' examples (``--doctest-modules``, pyproject) are documentation, as
+    docs/'s pages are (test_docs.py::test_page_blocks_run): system tests, marked slow. Run
+    eagerly, as users paste them, they compile one program per operation (~9 s in all)."""
+    for item in items:
+        if isinstance(item, pytest.DoctestItem):
+            item.add_marker(pytest.mark.slow)

@@ -316,6 +316,7 @@ def test_nnx_value_and_grad_under_policy_keeps_float32_params_and_grads():
     assert jnp.isfinite(loss)
 
 
+@pytest.mark.slow  # a system test: a training run
 def test_nnx_optimizer_with_loss_scaling_trains_and_skips_overflowing_steps():
     model = MLP("mixed_float16", nnx.Rngs(0))
     tx = jmp_policy.loss_scaling(optax.adam(1e-2), jmp_policy.Policy("mixed_float16"))

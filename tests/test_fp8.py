@@ -307,6 +307,7 @@ def test_scan_remat_and_shard_map_bodies_run_float8_products():
         assert rel_error(jax.jit(grad)(ws, x), want) < 0.1
 
 
+@pytest.mark.slow  # a system test: linen and NNX models
 def test_flax_linen_scan_stack_and_nnx_modules():
     nn = pytest.importorskip("flax.linen")
     nnx = pytest.importorskip("flax.nnx")

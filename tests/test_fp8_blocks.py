@@ -405,6 +405,7 @@ def test_jit_grad_vmap_scan_remat_and_shard_map(scaling):
         assert rel_error(jax.jit(jax.grad(loss))(ws, x), want) < 2 * bound
 
 
+@pytest.mark.slow  # a system test: linen, NNX and Equinox models
 def test_linen_nnx_and_equinox_models():
     nn = pytest.importorskip("flax.linen")
     nnx = pytest.importorskip("flax.nnx")

@@ -256,6 +256,7 @@ def moe_layer(params, x):
     return x + y * gate[:, None]
 
 
+@pytest.mark.slow  # a system test: a training run
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_a_mixture_of_experts_layer_trains(scaling):
     keys = jax.random.split(jax.random.key(3), 5)

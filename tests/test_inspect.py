@@ -177,6 +177,7 @@ def _train(loss, tx, steps, scale=None):
     return float(loss_fn(params, X, T))  # every run judged by the float32 loss
 
 
+@pytest.mark.slow  # a system test: a training run
 def test_training_with_the_suggested_loss_scale_reaches_float32s_loss(report):
     scale = report.suggest_loss_scale()
     assert scale == 2.0 ** round(math.log2(scale))

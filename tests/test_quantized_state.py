@@ -199,6 +199,7 @@ def test_zero_blocks_and_outliers_keep_to_their_block(compile):
     np.testing.assert_allclose(got[2], x[2], rtol=2.0 ** -4)
 
 
+@pytest.mark.slow  # a system test: a training run (150 steps)
 @compilers
 def test_adam_trains_like_float32_on_a_regression(compile):
     w_true = RNG.randn(64, 256).astype(np.float32)
@@ -515,6 +516,7 @@ def test_the_step_keeps_no_float32_copy_of_the_state(bits, rounding):
     assert temp((0, 1)) <= quantized + 0.1 * leaf
 
 
+@pytest.mark.slow  # a system test: a training run (30 steps)
 @pytest.mark.parametrize("bits", [8, 4])
 def test_nnx_optimizer_keeps_the_quantized_state_across_steps(bits):
     nnx = pytest.importorskip("flax.nnx")
@@ -574,6 +576,7 @@ def test_parameter_iterates_and_accumulated_gradients_stay_float32():
     assert accumulated[".inner_state.inner_opt_state[0].mu['w']"] == "quantized"
 
 
+@pytest.mark.slow  # a system test: a training run (300 steps)
 def test_schedule_free_trains_as_in_float32_with_its_iterate_kept():
     # The iterate z is the parameters' own history: quantized, this problem's loss ends
     # over 2x float32's; with the moments alone quantized (the default) it matches.
