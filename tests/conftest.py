@@ -64,7 +64,18 @@ def xla_cpu():
 def pytest_collection_modifyitems(config, items):
     """The docstrings' examples (``--doctest-modules``, pyproject) are documentation, as
     docs/'s pages are (test_docs.py::test_page_blocks_run): system tests, marked slow. Run
-    eagerly, as users paste them, they compile one program per operation (~9 s in all)."""
+    eagerly, as users paste them, they compile one program per operation (~9 s in all).
+
+    The modules of system tests alone (the zoo, the examples, the child interpreters on 8
+    devices, the type checkers) run first, each whole: pytest-xdist hands out tests in
+    this order, and one of them last (test_sharded_training's 20 s child interpreter) kept
+    one worker busy after the other had finished."""
     for item in items:
         if isinstance(item, pytest.DoctestItem):
             item.add_marker(pytest.mark.slow)
+    modules = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    first = {m for m, its in modules.items()
+             if not m.startswith("jmp_policy") and all(i.get_closest_marker("slow") for i in its)}
+    items.sort(key=lambda i: i.nodeid.split("::")[0] not in first)  # stable: order within kept
