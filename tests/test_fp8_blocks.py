@@ -24,7 +24,8 @@ from jmp_policy.autocast import _blocks, _fp8
 E2M1, E4M3, E5M2 = (np.dtype(d) for d in (jnp.float4_e2m1fn, jnp.float8_e4m3fn, jnp.float8_e5m2))
 E8M0, F32, BF16 = np.dtype(jnp.float8_e8m0fnu), np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 BLOCKS = ("mxfp8", "nvfp4")
-# The numerics tests run as XLA:CPU compiles them and as XLA:GPU does (tests/support/excess_precision.py).
+# The numerics tests run as XLA:CPU compiles them and as XLA:GPU does
+# (tests/support/excess_precision.py).
 compilers = pytest.mark.parametrize("compile", list(COMPILERS.values()), ids=list(COMPILERS))
 
 
@@ -441,7 +442,7 @@ def test_linen_nnx_and_equinox_models():
 @pytest.mark.parametrize("on_a_gpu", [False, True], ids=list(COMPILERS))
 def test_inspector_reports_block_products_with_saturated_and_flushed_values(
         on_a_gpu, tmp_path, monkeypatch):
-    if on_a_gpu:  # the inspector's program as XLA:GPU compiles it (tests/support/excess_precision.py)
+    if on_a_gpu:  # the inspector's program as XLA:GPU compiles it (support/excess_precision.py)
         inspect_as_on_a_gpu(monkeypatch)
     # NVFP4, x: the tensor scale is 1 (2688 = 6 * 448); in the second block 0.0174 / 6 =
     # 0.0029 is 1.48 of e4m3's smallest subnormal, 2**-9: the scale 2**-9 takes 0.0174 to

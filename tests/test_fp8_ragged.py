@@ -18,7 +18,8 @@ from jmp_policy import AutocastWarning, Float8Recipe, autocast
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 SCALINGS = ("tensorwise", "rowwise")
-# The numerics tests run as XLA:CPU compiles them and as XLA:GPU does (tests/support/excess_precision.py).
+# The numerics tests run as XLA:CPU compiles them and as XLA:GPU does
+# (tests/support/excess_precision.py).
 compilers = pytest.mark.parametrize("compile", list(COMPILERS.values()), ids=list(COMPILERS))
 
 M, K, N = 96, 64, 48

@@ -1,4 +1,5 @@
-"""Autocast on real models (tests/support/real_models.py): linen, NNX and Equinox, as users write them.
+"""Autocast on real models (tests/support/real_models.py): linen, NNX and Equinox, as users
+write them.
 
 For every model of the zoo, under ``jit`` and with dropout and padding on:
 ``autocast`` in ``mixed_bfloat16`` and ``mixed_float16`` gives the float32
