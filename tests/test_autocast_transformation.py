@@ -8,6 +8,7 @@ auxiliary outputs.
 """
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -455,6 +456,8 @@ def _xent(logits, tokens):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], -1))
 
 
+# Built once, when a test first needs them (not while collecting): the models are only read.
+@functools.cache
 def _idioms():
     """``name -> (fn, args, reference fn, reference args)``: each rebuilding idiom, and the
     module-as-argument form it must match (``None`` for linen, which has no other form)."""
@@ -491,7 +494,7 @@ def _idioms():
     }
 
 
-IDIOMS = list(_idioms())
+IDIOMS = ["nnx.merge", "nnx.update", "eqx.combine", "eqx.combine, static argument", "linen apply"]
 HEADS = {"nnx": "NNXLM/embedder.attend", "eqx": "EqxLM/head", "linen": "LinenLM/Embed_0.attend"}
 
 
