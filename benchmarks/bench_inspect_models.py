@@ -1,6 +1,6 @@
 """The numerics inspector on the real-model suite: first-call cost, rows, suggested loss scale.
 
-The models are those of ``tests/real_models.py`` (linen LM and ResNet, NNX
+The models are those of ``tests/support/real_models.py`` (linen LM and ResNet, NNX
 decoder and BatchNorm MLP, Equinox ViT), in train mode, and the example
 transformer LM (``examples/transformer_lm.py``, default ``Config``). Per model,
 ``inspect_numerics(loss, "mixed_float16", argnums=0)``:
@@ -153,7 +153,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    harness.load_file("tests/real_models.py")  # first: the tests importorskip it
     tests = harness.load_file("tests/test_real_models_autocast.py")
     names = ["nnx_bn_mlp", "linen_lm"] if args.quick else sorted(tests.rm.MODELS)
     steps = 2 if args.quick else args.steps

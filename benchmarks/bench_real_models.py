@@ -1,6 +1,6 @@
 """Autocast on the real-model zoo: each model's loss and gradients under every precision.
 
-The models are those of ``tests/real_models.py`` (a Flax linen LM with a tied
+The models are those of ``tests/support/real_models.py`` (a Flax linen LM with a tied
 head, padding and dropout; a linen ResNet with BatchNorm; an NNX decoder with
 RMSNorm, grouped-query attention and rotary embeddings; an NNX MLP with
 BatchNorm; an Equinox ViT with integer fields), in train mode under ``jit``.
@@ -44,7 +44,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    harness.load_file("tests/real_models.py")  # first: the tests importorskip it
     tests = harness.load_file("tests/test_real_models_autocast.py")
     names = ["linen_lm", "eqx_vit"] if args.quick else tests.NAMES
     steps = 3 if args.quick else args.steps

@@ -78,7 +78,6 @@ files as markdown; ``python -m benchmarks.harness run --library PATH <script>
 
 from __future__ import annotations
 
-import ast
 import collections
 import contextlib
 import dataclasses
@@ -1110,23 +1109,16 @@ def xla_flags_error(flags: str, python: Optional[str] = None) -> Optional[str]:
 
 def load_file(path: str, name: Optional[str] = None) -> Any:
     """The Python file ``path`` (relative to the repository root: ``examples/x.py``,
-    ``tests/real_models.py``) as a module named ``name`` (default: the file's stem),
-    loaded once per process. Examples and test helpers are scripts, not packages: the
-    files of the same folder that it imports by name (as pytest or Python, running it
-    from its folder, would find them) are loaded first, the same way."""
+    ``tests/test_real_models_autocast.py``) as a module named ``name`` (default: the
+    file's stem), loaded once per process. Examples and test modules are scripts, not
+    packages: their folder goes on ``sys.path``, so that what they import from it
+    (``examples``' siblings, the tests' ``support`` package) is found as Python or
+    pytest, running them from there, would find it."""
     name = name or os.path.splitext(os.path.basename(path))[0]
     if name not in sys.modules:
-        folder = os.path.dirname(path)
-        with open(os.path.join(REPO, path)) as f:
-            tree = ast.parse(f.read())
-        for node in tree.body:
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module
-                     and not node.level else [])
-            for imported in names:
-                sibling = os.path.join(folder, f"{imported}.py")
-                if "." not in imported and os.path.exists(os.path.join(REPO, sibling)):
-                    load_file(sibling, imported)
+        folder = os.path.join(REPO, os.path.dirname(path))
+        if folder not in sys.path:
+            sys.path.append(folder)
         spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, path))
         assert spec is not None and spec.loader is not None, path
         module = importlib.util.module_from_spec(spec)

@@ -19,6 +19,19 @@ for _flag in _FAST_COMPILE:
     if _flag not in os.environ.get("XLA_FLAGS", ""):  # pytest-xdist workers inherit them
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
+# MLIR locations with the innermost frame of the user's code, not a 100-frame traceback:
+# less for JAX to build when lowering the suite's ~6000 programs. Nothing the tests read
+# depends on it (the jaxprs keep their source information; HLO keeps its op names).
+os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "false")
+os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "1")
+
+# Child interpreters (the tests' scripts, the examples, tests/support's workers) import
+# this checkout's jmp_policy, as the tests do, not one installed from another checkout.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
 # The deviceless XLA:GPU tier (tests/test_xla_gpu.py) compiles with the CUDA plugin's
 # compiler. Without a GPU driver the plugin's version check can only fail, and the plugin
 # then does not register: skip the check there, before JAX starts its backends.
@@ -36,9 +49,9 @@ jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-# The worker is a script run in subprocesses by test_distributed.py, not a test module:
-# keep --doctest-modules (pyproject) from importing it.
-collect_ignore = ["_distributed_worker.py"]
+# The worker is a script run in subprocesses by test_distributed.py, not a module to
+# import: keep --doctest-modules (pyproject) from importing it (it reads sys.argv).
+collect_ignore = ["support/distributed_worker.py"]
 
 
 @pytest.fixture
@@ -51,3 +64,24 @@ def xla_cpu():
     """
     with jax.default_device(jax.devices("cpu")[0]):
         yield
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m reads the marks
+def pytest_collection_modifyitems(config, items):
+    """The docstrings' examples (``--doctest-modules``, pyproject) are documentation, as
+    docs/'s pages are (test_docs.py::test_page_blocks_run): system tests, marked slow. Run
+    eagerly, as users paste them, they compile one program per operation (~9 s in all).
+
+    The modules of system tests alone (the zoo, the examples, the child interpreters on 8
+    devices, the type checkers) run first, each whole: pytest-xdist hands out tests in
+    this order, and one of them last (test_sharded_training's 20 s child interpreter) kept
+    one worker busy after the other had finished."""
+    for item in items:
+        if isinstance(item, pytest.DoctestItem):
+            item.add_marker(pytest.mark.slow)
+    modules = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    first = {m for m, its in modules.items()
+             if not m.startswith("jmp_policy") and all(i.get_closest_marker("slow") for i in its)}
+    items.sort(key=lambda i: i.nodeid.split("::")[0] not in first)  # stable: order within kept

@@ -19,7 +19,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 import jmp_policy
-from jaxpr_walk import eqns
+from support.jaxpr_walk import eqns
 from jmp_policy import autocast
 from jmp_policy import AutocastWarning
 
@@ -511,6 +511,7 @@ def test_custom_vjp_with_forwarded_residuals_and_custom_jvp_with_int_argument():
     np.testing.assert_array_equal(g, [30.0, 30.0])
 
 
+@pytest.mark.slow  # a system test: a child interpreter on 4 devices
 def test_nested_jit_keeps_its_shardings_and_shard_map_is_autocast():
     script = textwrap.dedent("""
         import jax, jax.numpy as jnp
@@ -818,6 +819,7 @@ def train(kind, steps=80, lr=3e-3):
     return float(jax.jit(loss_fn)(f32_params, tokens, y))
 
 
+@pytest.mark.slow  # a system test: three 80-step trainings
 def test_training_80_steps_matches_float32_where_naive_float16_fails():
     full = train("float32")
     auto = train("autocast")

@@ -142,8 +142,11 @@ class EqxLayers(eqx.Module):
         return h.sum() + y.sum() + r.sum() + self.gru(y[0], y[1]).sum()
 
 
+# The models' parameters as shapes: the tests only trace (built eagerly, each model's
+# initializers compiled one by one, ~100 programs).
+
 def _linen_case():
-    variables = LinenLayers().init({"params": KEY, "dropout": KEY}, IMG, X)
+    variables = jax.eval_shape(LinenLayers().init, {"params": KEY, "dropout": KEY}, IMG, X)
 
     def loss(params, batch_stats, img, x):
         out, _ = LinenLayers().apply({"params": params, "batch_stats": batch_stats}, img, x,
@@ -154,7 +157,7 @@ def _linen_case():
 
 
 def _nnx_case():
-    graphdef, state = nnx.split(NnxLayers(nnx.Rngs(0)))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: NnxLayers(nnx.Rngs(0))))
     # A module merged inside the traced function: tracing leaves the state alone.
     return (lambda state, img, x: nnx.merge(graphdef, state)(img, x)), (state, IMG, X)
 
@@ -166,7 +169,8 @@ CASES = {
     "optax": lambda: (optax_losses, (X,)),
     "flax.linen": _linen_case,
     "flax.nnx": _nnx_case,
-    "equinox": lambda: ((lambda model, img, x: model(img, x, KEY)), (EqxLayers(KEY), IMG, X)),
+    "equinox": lambda: ((lambda model, img, x: model(img, x, KEY)),
+                        (eqx.filter_eval_shape(EqxLayers, KEY), IMG, X)),
 }
 
 

@@ -8,6 +8,7 @@ auxiliary outputs.
 """
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -20,13 +21,13 @@ import optax
 import pytest
 
 import jmp_policy
-from jaxpr_walk import eqns, scoped_eqns
+from support.jaxpr_walk import eqns, scoped_eqns
 from jmp_policy.paths import scope_names
 
 nn = pytest.importorskip("flax.linen")
 nnx = pytest.importorskip("flax.nnx")
 eqx = pytest.importorskip("equinox")
-rm = pytest.importorskip("real_models")
+rm = pytest.importorskip("support.real_models")
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 E4M3 = np.dtype(jnp.float8_e4m3fn)
@@ -91,6 +92,7 @@ def test_a_linen_apply_with_a_python_flag():
     assert dropped.dtype == F16 and dropped.shape == (3, 2)
 
 
+@pytest.mark.slow  # a system test: the real-model zoo
 def test_an_equinox_module_with_int_fields_under_filter_grad():
     model = rm.MODELS["eqx_vit"]
     vit, batch = model.init(jax.random.key(0)), model.batch(jax.random.key(1))
@@ -123,6 +125,7 @@ def test_nnx_batch_statistics_are_written_back(how):
     np.testing.assert_allclose(mean, want, rtol=2e-2, atol=1e-4)
 
 
+@pytest.mark.slow  # a system test: the real-model zoo
 def test_nnx_rng_counters_advance_and_grads_flow():
     model = rm.MODELS["nnx_bn_mlp"]
     decoder, batch = model.init(jax.random.key(0)), model.batch(jax.random.key(1))
@@ -137,6 +140,7 @@ def test_nnx_rng_counters_advance_and_grads_flow():
 
 # 4. The loss is float32: loss scales grow past float16's range ------------------------------
 
+@pytest.mark.slow  # a system test: the real-model zoo
 def test_a_float32_class_loss_comes_back_float32_and_scales_freely():
     model = rm.MODELS["linen_lm"]
     variables, batch = model.init(jax.random.key(0)), model.batch(jax.random.key(1))
@@ -171,6 +175,7 @@ def test_the_dynamic_scale_grows_past_2_to_the_15():
 
 # 5. float32 is the identity ----------------------------------------------------------------
 
+@pytest.mark.slow  # a system test: the real-model zoo
 def test_float32_autocast_of_a_real_model_is_bit_identical():
     model = rm.MODELS["linen_lm"]
     variables, batch = model.init(jax.random.key(0)), model.batch(jax.random.key(1))
@@ -225,6 +230,7 @@ def test_policy_api_gaps_are_closed():
     assert isinstance(jmp_policy.get_loss_scale(tx.init(jnp.ones(2))), jmp_policy.DynamicLossScale)
 
 
+@pytest.mark.slow  # a system test: a child interpreter on 4 devices
 def test_cast_to_compute_of_leaves_on_different_devices():
     script = textwrap.dedent("""
         import jax, jax.numpy as jnp, jmp_policy
@@ -252,6 +258,7 @@ def test_set_nnx_policy_rules_alone_leave_other_layers_as_built():
 
 # 8. Scopes are module paths in every framework --------------------------------------------
 
+@pytest.mark.slow  # a system test: the real-model zoo
 def test_nnx_and_equinox_operations_are_named_by_module_path():
     decoder = rm.MODELS["nnx_decoder"]
     module, batch = decoder.init(jax.random.key(0)), decoder.batch(jax.random.key(1))
@@ -278,6 +285,7 @@ def test_nnx_and_equinox_operations_are_named_by_module_path():
     assert dtypes["ViT/blocks/1/fc1/eqx.nn.Linear"] == BF16
 
 
+@pytest.mark.slow  # a system test: the real-model zoo
 @pytest.mark.parametrize("name,head", [("linen_lm", "Embed_0.attend"),
                                        ("nnx_decoder", "embedder.attend"),
                                        ("eqx_vit", "ViT/head")])
@@ -298,6 +306,7 @@ def test_the_output_layer_stays_out_of_float8_by_default(name, head):
     assert E4M3 in {dtype for scope, dtype in found if head not in scope}
 
 
+@pytest.mark.slow  # a system test: the real-model zoo
 def test_fp8_on_a_convolutional_network_warns():
     model = rm.MODELS["linen_resnet"]
     variables, batch = model.init(jax.random.key(0)), model.batch(jax.random.key(1))
@@ -310,6 +319,7 @@ def test_fp8_on_a_convolutional_network_warns():
 
 # 9. Auxiliary outputs keep their precision ------------------------------------------------
 
+@pytest.mark.slow  # a system test: the real-model zoo
 def test_batch_stats_stay_float32_and_the_train_step_traces_once():
     model = rm.MODELS["linen_resnet"]
     variables, batch = model.init(jax.random.key(0)), model.batch(jax.random.key(1))
@@ -446,6 +456,8 @@ def _xent(logits, tokens):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], -1))
 
 
+# Built once, when a test first needs them (not while collecting): the models are only read.
+@functools.cache
 def _idioms():
     """``name -> (fn, args, reference fn, reference args)``: each rebuilding idiom, and the
     module-as-argument form it must match (``None`` for linen, which has no other form)."""
@@ -482,7 +494,7 @@ def _idioms():
     }
 
 
-IDIOMS = list(_idioms())
+IDIOMS = ["nnx.merge", "nnx.update", "eqx.combine", "eqx.combine, static argument", "linen apply"]
 HEADS = {"nnx": "NNXLM/embedder.attend", "eqx": "EqxLM/head", "linen": "LinenLM/Embed_0.attend"}
 
 
@@ -535,6 +547,7 @@ def test_the_head_of_a_rebuilt_model_stays_out_of_float8(idiom):
         assert sorted(found) == sorted(_dot_dtypes(ref, ref_args, fp8="rowwise"))
 
 
+@pytest.mark.slow  # a system test: a child interpreter on 2 devices
 def test_importing_under_a_mesh_works():
     """jmp_policy reads shard_map's primitive off a trace when imported: under
     jax.set_mesh that trace must use the mesh in force."""

@@ -189,9 +189,9 @@ def test_roofline_reads_gemms_and_bytes_of_a_known_module(harness):
 
 
 def _requires_cuda_plugin(test):
-    import xla_gpu
+    from support import xla_gpu
 
-    return pytest.mark.xla_gpu(xla_gpu.requires_plugin(test))
+    return pytest.mark.slow(pytest.mark.xla_gpu(xla_gpu.requires_plugin(test)))
 
 
 @_requires_cuda_plugin

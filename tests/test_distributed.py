@@ -4,7 +4,7 @@ A non-finite gradient anywhere -- one shard, one device of a `shard_map`, one
 process of a multi-process job -- must make *every* shard skip the update, and
 every copy of the loss scale must stay identical. Each scenario needs a device
 count fixed before JAX starts, so it runs in a fresh interpreter
-(tests/_distributed_worker.py) that reports what it observed; the checks are here.
+(tests/support/distributed_worker.py) that reports what it observed; the checks are here.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # system tests: child interpreters, devices and processes
 
 TESTS = pathlib.Path(__file__).resolve().parent
-WORKER = TESTS / "_distributed_worker.py"
+WORKER = TESTS / "support" / "distributed_worker.py"
 TIMEOUT_S = 120
 INITIAL_SCALE = 2.0**10  # as in the worker
 

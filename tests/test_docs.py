@@ -149,6 +149,7 @@ def _run_in_child(page):
     assert out.returncode == 0, out.stderr[-4000:]
 
 
+@pytest.mark.slow  # a system test: the page's code, run in a child interpreter
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_blocks_run(page):
     if str(page.relative_to(ROOT)) in DEFAULT_CODEGEN:

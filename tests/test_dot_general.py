@@ -20,6 +20,14 @@ from jax import lax
 import jmp_policy
 
 RECIPES = [None, "tensorwise", "rowwise", "mxfp8", "nvfp4"]
+
+
+def eager(recipes):
+    """``recipes``, the block-scaled ones marked slow where the test differentiates eagerly:
+    their backward passes compile some 300 operations one by one (tensorwise and rowwise
+    keep the eager path in the quick tier)."""
+    return [pytest.param(r, marks=pytest.mark.slow) if r in ("mxfp8", "nvfp4") else r
+            for r in recipes]
 DENSE = (((1,), (0,)), ((), ()))
 
 
@@ -63,12 +71,12 @@ def _check_against_autocast(dims, lhs, rhs, policy, fp8, eager_grads=True):
     _same(value_and_grads, jax.jit(jax.value_and_grad(reference, (0, 1)))(lhs, rhs))
 
 
-@pytest.mark.parametrize("fp8", RECIPES)
+@pytest.mark.parametrize("fp8", eager(RECIPES))
 def test_dense_product_is_autocasts(fp8):
     _check_against_autocast(DENSE, *_operands((32, 64), (64, 48)), "mixed_bfloat16", fp8)
 
 
-@pytest.mark.parametrize("fp8", [None, "tensorwise", "rowwise", "mxfp8"])
+@pytest.mark.parametrize("fp8", eager([None, "tensorwise", "rowwise", "mxfp8"]))
 @pytest.mark.parametrize("dims, shapes", [
     ((((2,), (2,)), ((0,), (0,))), ((2, 32, 64), (2, 16, 64))),   # "bqd,bkd->bqk"
     ((((1, 2), (0, 1)), ((), ())), ((32, 4, 16), (4, 16, 32))),   # "mhd,hdn->mn"
@@ -275,6 +283,7 @@ def test_nnx_linear_trains_as_the_autocast_model(fp8):
     assert trained[0][-1] < trained[0][0]
 
 
+@pytest.mark.slow  # a system test: a fresh child interpreter
 def test_import_does_not_import_flax():
     import subprocess
     import sys

@@ -12,10 +12,18 @@ import pytest
 
 import jmp_policy
 
+pytestmark = pytest.mark.slow  # system tests: the examples as scripts
+
 pytest.importorskip("flax")
-pytest.importorskip("sklearn")
-pytest.importorskip("matplotlib")
-pytest.importorskip("tqdm")
+
+
+@pytest.fixture(autouse=True)
+def _examples_extras():
+    """The examples' extras, imported when a test runs, not while collecting (-m "not slow"
+    collects this module too, and scikit-learn alone takes 0.5 s to import)."""
+    for name in ("sklearn", "matplotlib", "tqdm"):
+        pytest.importorskip(name)
+
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples")
 POLICIES = ["float32", "mixed_bfloat16", "mixed_float16"]

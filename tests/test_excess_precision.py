@@ -1,4 +1,4 @@
-"""The XLA:GPU emulation itself (tests/excess_precision.py): each rewrite it makes, and each
+"""The XLA:GPU emulation itself (tests/support/excess_precision.py): each rewrite it makes, and each
 it must not make, against values computed by hand."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from excess_precision import computed_in, with_excess_precision
+from support.excess_precision import computed_in, with_excess_precision
 
 F8, F16, BF16, F32 = jnp.float8_e4m3fn, jnp.float16, jnp.bfloat16, jnp.float32
 

@@ -21,11 +21,13 @@ import jmp_policy.flax as jf  # noqa: E402
 F32, F16, BF16 = np.dtype("float32"), np.dtype("float16"), np.dtype("bfloat16")
 
 
+@pytest.mark.slow  # a system test: a fresh child interpreter
 def test_import_jmp_policy_does_not_import_flax():
     code = "import sys, jmp_policy; assert 'flax' not in sys.modules, sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.slow  # a system test: a fresh child interpreter
 def test_import_without_flax_names_the_extra_to_install():
     code = """
 import sys
@@ -314,6 +316,7 @@ def test_nnx_value_and_grad_under_policy_keeps_float32_params_and_grads():
     assert jnp.isfinite(loss)
 
 
+@pytest.mark.slow  # a system test: a training run
 def test_nnx_optimizer_with_loss_scaling_trains_and_skips_overflowing_steps():
     model = MLP("mixed_float16", nnx.Rngs(0))
     tx = jmp_policy.loss_scaling(optax.adam(1e-2), jmp_policy.Policy("mixed_float16"))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jmp_policy import formats
-from excess_precision import with_excess_precision
+from support.excess_precision import with_excess_precision
 
 NARROW = [jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float4_e2m1fn]
 ids = [np.dtype(d).name for d in NARROW]

@@ -17,15 +17,16 @@ import pytest
 from jax import lax
 
 import jmp_policy
-from excess_precision import COMPILERS
-from jaxpr_walk import eqns
-from xla_gpu import compilation_cache_off
+from support.excess_precision import COMPILERS
+from support.jaxpr_walk import eqns
+from support.xla_gpu import compilation_cache_off
 from jmp_policy import AutocastWarning, Float8Recipe, autocast
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 SCALINGS = ("tensorwise", "rowwise")
-# The numerics tests run as XLA:CPU compiles them and as XLA:GPU does (tests/excess_precision.py).
+# The numerics tests run as XLA:CPU compiles them and as XLA:GPU does
+# (tests/support/excess_precision.py).
 compilers = pytest.mark.parametrize("compile", list(COMPILERS.values()), ids=list(COMPILERS))
 
 
@@ -334,6 +335,7 @@ def test_scan_remat_and_shard_map_bodies_run_float8_products():
         assert rel_error(jax.jit(grad)(ws, x), want) < 0.1
 
 
+@pytest.mark.slow  # a system test: linen and NNX models
 def test_flax_linen_scan_stack_and_nnx_modules():
     nn = pytest.importorskip("flax.linen")
     nnx = pytest.importorskip("flax.nnx")
@@ -367,6 +369,7 @@ def test_flax_linen_scan_stack_and_nnx_modules():
 
 # --- the example -------------------------------------------------------------------------
 
+@pytest.mark.slow  # a system test: examples/transformer_lm.py
 def test_transformer_lm_example_runs_float8_products_and_takes_its_flags(tmp_path, monkeypatch, capsys):
     spec = importlib.util.spec_from_file_location("transformer_lm_fp8",
                                                   "examples/transformer_lm.py")

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from excess_precision import COMPILERS, inspect_as_on_a_gpu
-from jaxpr_walk import eqns
+from support.excess_precision import COMPILERS, inspect_as_on_a_gpu
+from support.jaxpr_walk import eqns
 
 import jmp_policy
 from jmp_policy import formats
@@ -25,8 +25,13 @@ from jmp_policy.float8 import _blocks
 E2M1, E4M3, E5M2 = (np.dtype(d) for d in (jnp.float4_e2m1fn, jnp.float8_e4m3fn, jnp.float8_e5m2))
 E8M0, F32, BF16 = np.dtype(jnp.float8_e8m0fnu), np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 BLOCKS = ("mxfp8", "nvfp4")
-# The numerics tests run as XLA:CPU compiles them and as XLA:GPU does (tests/excess_precision.py).
+# The numerics tests run as XLA:CPU compiles them and as XLA:GPU does
+# (tests/support/excess_precision.py).
 compilers = pytest.mark.parametrize("compile", list(COMPILERS.values()), ids=list(COMPILERS))
+
+
+# The quantization in one program: eagerly, its ~60 operations compile apart.
+quantize_blocks = jax.jit(_blocks.quantize_blocks, static_argnums=(1, 2))
 
 
 def rng(*shape, seed=0, scale=1.0):
@@ -105,7 +110,7 @@ def test_block_recipes_reject_settings_that_cannot_apply(kwargs, error, match):
 def test_mxfp8_values_and_scales_by_hand():
     x = jnp.zeros((2, 32)).at[0, :4].set([1.0, 3.0, 448.0, 449.0]) \
         .at[1, :3].set([1.0, 0.3, -0.01])
-    q = _blocks.quantize_blocks(x, "mxfp8", jnp.float8_e4m3fn)
+    q = quantize_blocks(x, "mxfp8", jnp.float8_e4m3fn)
     # Row 0: 449 / 448 rounds up to the scale 2; 449 / 2 = 224.5 is 224 in e4m3 (spacing 16
     # from 128 to 256). Row 1: 1 / 448 rounds up to 2**-8; 0.3 * 256 = 76.8 is 80 (spacing 8),
     # -0.01 * 256 = -2.56 is -2.5 (spacing 0.25).
@@ -122,13 +127,13 @@ def test_nvfp4_values_block_and_tensor_scales_by_hand():
     # 2.5 -> 2 (a tie), 1.2 -> 1, 0.26 -> 0.5, 0.24 -> 0, -3.5 -> -4 (a tie).
     block = [6.0, 5.0, 4.9, 2.5, 1.2, 0.26, 0.24, -3.5]
     x = jnp.zeros((1, 32)).at[0, :8].set(block).at[0, 16].set(2688.0).at[0, 17].set(1000.0)
-    q = _blocks.quantize_blocks(x, "nvfp4", jnp.float4_e2m1fn)
+    q = quantize_blocks(x, "nvfp4", jnp.float4_e2m1fn)
     assert float(q.tensor_scale) == 1.0 and q.scales.tolist() == [[1.0, 448.0]]
     assert q.values.astype(F32)[0, :8].tolist() == [6.0, 4.0, 4.0, 2.0, 1.0, 0.5, 0.0, -4.0]
     # Block 1: 1000 / 448 = 2.23 -> 2.
     assert q.values.astype(F32)[0, 16:18].tolist() == [6.0, 2.0]
     # Scaled by 1 / 2 (tensor 2688 -> 5376): the tensor scale takes it all, the rest is equal.
-    half = _blocks.quantize_blocks(x * 2, "nvfp4", jnp.float4_e2m1fn)
+    half = quantize_blocks(x * 2, "nvfp4", jnp.float4_e2m1fn)
     assert float(half.tensor_scale) == 2.0 and (half.values == q.values).all()
 
 
@@ -167,11 +172,11 @@ def test_quantization_is_jaxs_reference_bit_for_bit():
     x = rng(2, 8, 128) * jnp.exp(3 * rng(2, 8, 128, seed=1))
     x = x.at[0, 0, :32].set(448.0)
     for scaling, dtype in (("mxfp8", E4M3), ("mxfp8", E5M2), ("nvfp4", E2M1)):
-        q = _blocks.quantize_blocks(x, scaling, dtype)
+        q = quantize_blocks(x, scaling, dtype)
         config = jax.nn.get_scaled_dot_general_config(
             scaling, global_scale=q.tensor_scale if scaling == "nvfp4" else None)
         config.data_type = dtype
-        values, scales = reference.quantize(x, config)
+        values, scales = jax.jit(lambda x: reference.quantize(x, config))(x)  # one program
         ours, theirs = np.asarray(q.values.astype(F32)), np.asarray(values.astype(F32))
         # Where they differ, JAX's conversion rounded twice (XLA:CPU's older emitters, which
         # the suite runs, round to float4 through float16): ours is the one rounding of the
@@ -402,6 +407,7 @@ def test_jit_grad_vmap_scan_remat_and_shard_map(scaling):
         assert rel_error(jax.jit(jax.grad(loss))(ws, x), want) < 2 * bound
 
 
+@pytest.mark.slow  # a system test: linen, NNX and Equinox models
 def test_linen_nnx_and_equinox_models():
     nn = pytest.importorskip("flax.linen")
     nnx = pytest.importorskip("flax.nnx")
@@ -437,7 +443,7 @@ def test_linen_nnx_and_equinox_models():
 @pytest.mark.parametrize("on_a_gpu", [False, True], ids=list(COMPILERS))
 def test_inspector_reports_block_products_with_saturated_and_flushed_values(
         on_a_gpu, tmp_path, monkeypatch):
-    if on_a_gpu:  # the inspector's program as XLA:GPU compiles it (tests/excess_precision.py)
+    if on_a_gpu:  # the inspector's program as XLA:GPU compiles it (support/excess_precision.py)
         inspect_as_on_a_gpu(monkeypatch)
     # NVFP4, x: the tensor scale is 1 (2688 = 6 * 448); in the second block 0.0174 / 6 =
     # 0.0029 is 1.48 of e4m3's smallest subnormal, 2**-9: the scale 2**-9 takes 0.0174 to
@@ -471,6 +477,7 @@ def test_inspector_reports_block_products_with_saturated_and_flushed_values(
 
 # --- the example's mixture of experts ------------------------------------------------------
 
+@pytest.mark.slow  # a system test: examples/transformer_lm.py
 def test_example_lm_mixture_of_experts_runs_its_experts_in_float8(monkeypatch):
     import importlib.util
     import sys

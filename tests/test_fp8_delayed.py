@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jmp_policy
-from excess_precision import COMPILERS
+from support.excess_precision import COMPILERS
 from jmp_policy import Float8Recipe, Float8State, autocast, float8_state
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -319,6 +319,7 @@ def test_vmap_of_the_step_and_checkpoint_of_the_state_round_trip():
         jax.tree_util.tree_flatten_with_path(state)[0][0][0]))
 
 
+@pytest.mark.slow  # a system test: a training run (30 steps, twice)
 def test_training_with_delayed_scaling_tracks_tensorwise():
     ws, x = layers(), rng(64, 64, seed=9)
     target = jnp.tanh(x @ rng(64, 64, seed=11, scale=0.2))
@@ -350,6 +351,7 @@ def test_training_with_delayed_scaling_tracks_tensorwise():
     assert delayed == pytest.approx(tensorwise, rel=0.05)
 
 
+@pytest.mark.slow  # a system test: linen, NNX and Equinox models
 def test_linen_scan_stack_nnx_and_equinox_models_train_with_their_state():
     nn = pytest.importorskip("flax.linen")
     nnx = pytest.importorskip("flax.nnx")
@@ -497,6 +499,7 @@ print(json.dumps(out))
 '''
 
 
+@pytest.mark.slow  # a system test: a child interpreter on 4 devices
 def test_sharded_jit_and_shard_map_observe_the_global_maxima():
     """Data-parallel on 4 host devices (a subprocess): the operands' maxima are over the
     whole batch, as on one device, under jit's partitioner (auto and explicit axes) and

@@ -11,14 +11,15 @@ import optax
 import pytest
 from jax import lax
 
-from excess_precision import COMPILERS
-from jaxpr_walk import eqns
+from support.excess_precision import COMPILERS
+from support.jaxpr_walk import eqns
 from jmp_policy import AutocastWarning, Float8Recipe, autocast
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 SCALINGS = ("tensorwise", "rowwise")
-# The numerics tests run as XLA:CPU compiles them and as XLA:GPU does (tests/excess_precision.py).
+# The numerics tests run as XLA:CPU compiles them and as XLA:GPU does
+# (tests/support/excess_precision.py).
 compilers = pytest.mark.parametrize("compile", list(COMPILERS.values()), ids=list(COMPILERS))
 
 M, K, N = 96, 64, 48
@@ -256,6 +257,7 @@ def moe_layer(params, x):
     return x + y * gate[:, None]
 
 
+@pytest.mark.slow  # a system test: a training run
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_a_mixture_of_experts_layer_trains(scaling):
     keys = jax.random.split(jax.random.key(3), 5)

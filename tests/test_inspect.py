@@ -20,7 +20,7 @@ import pytest
 from jax import lax
 
 import jmp_policy
-from excess_precision import COMPILERS, inspect_as_on_a_gpu
+from support.excess_precision import COMPILERS, inspect_as_on_a_gpu
 
 F16_MAX = float(np.finfo(np.float16).max)
 B, D, H, O, F = 32, 4, 8, 3, 5
@@ -58,7 +58,7 @@ def report():
 
 
 # The numerics tests run the inspector's program as XLA:CPU compiles it, and as XLA:GPU
-# does (tests/excess_precision.py): its counts must be those of what each computes.
+# does (tests/support/excess_precision.py): its counts must be those of what each computes.
 @pytest.fixture(params=list(COMPILERS))
 def compiler(request, monkeypatch):
     if request.param != "jit":
@@ -177,6 +177,7 @@ def _train(loss, tx, steps, scale=None):
     return float(loss_fn(params, X, T))  # every run judged by the float32 loss
 
 
+@pytest.mark.slow  # a system test: a training run
 def test_training_with_the_suggested_loss_scale_reaches_float32s_loss(report):
     scale = report.suggest_loss_scale()
     assert scale == 2.0 ** round(math.log2(scale))
@@ -302,6 +303,7 @@ def test_plot_without_matplotlib_names_the_extra(report, tmp_path, monkeypatch):
         report.plot(str(tmp_path / "x.png"))
 
 
+@pytest.mark.slow  # a system test: a fresh child interpreter
 def test_import_does_not_import_matplotlib_or_flax():
     import subprocess
 
@@ -406,6 +408,7 @@ def _load_lm():
     return module
 
 
+@pytest.mark.slow  # a system test: examples/transformer_lm.py
 def test_the_example_transformer_lm_shows_its_module_paths():
     pytest.importorskip("flax")
     lm = _load_lm()

@@ -19,8 +19,8 @@ import optax
 import pytest
 
 import jmp_policy
-from compiled_kernels import step_kernels
-from excess_precision import with_excess_precision
+from support.compiled_kernels import step_kernels
+from support.excess_precision import with_excess_precision
 
 METHODS = ["kahan", "stochastic", "split"]
 BF16 = jnp.bfloat16
@@ -51,7 +51,7 @@ def step(tx, params, grads, state):
 
 
 # XLA:CPU keeps every rounding; XLA:GPU under jit drops narrowing round trips
-# (tests/excess_precision.py). The methods must be exact either way.
+# (tests/support/excess_precision.py). The methods must be exact either way.
 COMPILERS = {"jit": jax.jit, "jit, excess precision as on a GPU":
              lambda f: jax.jit(with_excess_precision(f))}
 compilers = pytest.mark.parametrize("compile", list(COMPILERS.values()), ids=list(COMPILERS))
@@ -76,6 +76,7 @@ def _high_half(x):
         jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32)
 
 
+@pytest.mark.slow  # a system test: 100 steps of the digits example's CNN
 def test_split_reproduces_float32_master_training_bit_for_bit(xla_cpu):
     """100 steps of the digits CNN: split's rebuilt float32 weights equal float32 master weights.
 
@@ -541,6 +542,7 @@ _SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a system test: a child interpreter on 8 devices
 def test_buffers_are_sharded_like_their_parameters(tmp_path):
     script, out = tmp_path / "sharded.py", tmp_path / "facts.json"
     script.write_text(_SHARDED)

@@ -14,8 +14,9 @@ import pytest
 
 import jmp_policy
 
+pytestmark = pytest.mark.slow  # system tests: train_digits.py's training runs on real data
+
 pytest.importorskip("flax")
-pytest.importorskip("sklearn")
 
 _EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "train_digits.py")
 
@@ -34,6 +35,8 @@ LN10 = math.log(10.0)  # cross-entropy of a uniform guess over 10 classes
 
 @pytest.fixture(scope="module")
 def data():
+    # scikit-learn is imported here, not while collecting (-m "not slow" collects this too).
+    pytest.importorskip("sklearn")
     return td.load_data(seed=0)
 
 

@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import jmp_policy
-from compiled_kernels import instructions_per_leaf
+from support.compiled_kernels import instructions_per_leaf
 
 ADAM = lambda: optax.adam(1e-3)  # noqa: E731
 

@@ -603,6 +603,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow  # a system test: a child interpreter on 8 devices
 def test_casts_preserve_shardings_on_8_devices():
     import os
     import subprocess
@@ -688,6 +689,7 @@ def test_bad_loss_scale_arguments():
         build(jnp.float32(2.0))
 
 
+@pytest.mark.slow  # a system test: a fresh child interpreter
 def test_import_does_not_initialise_jax_backends():
     # Users configure JAX (jax.distributed.initialize, device counts, platforms)
     # after their imports; an import that ran a JAX operation would forbid it.

@@ -10,14 +10,14 @@ import optax
 import pytest
 
 import jmp_policy
-from compiled_kernels import step_kernels
-from excess_precision import with_excess_precision
+from support.compiled_kernels import step_kernels
+from support.excess_precision import with_excess_precision
 from jmp_policy import QuantizedArray, dequantize, quantize_state
 
 RNG = np.random.RandomState(0)
 
 # XLA:CPU keeps every rounding; XLA:GPU under jit drops narrowing round trips
-# (tests/excess_precision.py). The codes must be right either way.
+# (tests/support/excess_precision.py). The codes must be right either way.
 COMPILERS = {"jit": jax.jit, "jit, excess precision as on a GPU":
              lambda f: jax.jit(with_excess_precision(f))}
 compilers = pytest.mark.parametrize("compile", list(COMPILERS.values()), ids=list(COMPILERS))
@@ -199,6 +199,7 @@ def test_zero_blocks_and_outliers_keep_to_their_block(compile):
     np.testing.assert_allclose(got[2], x[2], rtol=2.0 ** -4)
 
 
+@pytest.mark.slow  # a system test: a training run (150 steps)
 @compilers
 def test_adam_trains_like_float32_on_a_regression(compile):
     w_true = RNG.randn(64, 256).astype(np.float32)
@@ -420,6 +421,7 @@ json.dump(facts, open(sys.argv[1], "w"))
 """
 
 
+@pytest.mark.slow  # a system test: a child interpreter on 8 devices
 def test_quantized_states_stay_sharded_like_their_parameters(tmp_path):
     import json
     import os
@@ -474,8 +476,9 @@ def test_any_optimizer_steps_like_its_float32_self(make, bits):
 
     def run(tx):
         state, out = tx.init(params), []
+        update = jax.jit(tx.update)  # one program: eagerly, each step's operations compile apart
         for g in grads:
-            updates, state = tx.update(g, state, params)
+            updates, state = update(g, state, params)
             out.append(updates["w"])
         return np.stack(out), state
 
@@ -513,6 +516,7 @@ def test_the_step_keeps_no_float32_copy_of_the_state(bits, rounding):
     assert temp((0, 1)) <= quantized + 0.1 * leaf
 
 
+@pytest.mark.slow  # a system test: a training run (30 steps)
 @pytest.mark.parametrize("bits", [8, 4])
 def test_nnx_optimizer_keeps_the_quantized_state_across_steps(bits):
     nnx = pytest.importorskip("flax.nnx")
@@ -572,6 +576,7 @@ def test_parameter_iterates_and_accumulated_gradients_stay_float32():
     assert accumulated[".inner_state.inner_opt_state[0].mu['w']"] == "quantized"
 
 
+@pytest.mark.slow  # a system test: a training run (300 steps)
 def test_schedule_free_trains_as_in_float32_with_its_iterate_kept():
     # The iterate z is the parameters' own history: quantized, this problem's loss ends
     # over 2x float32's; with the moments alone quantized (the default) it matches.

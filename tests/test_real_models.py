@@ -1,4 +1,4 @@
-"""The real-model zoo (tests/real_models.py) in plain float32: what the models are.
+"""The real-model zoo (tests/support/real_models.py) in plain float32: what the models are.
 
 These are the baselines that the library's transformations are held to (in
 tests/test_real_models_autocast.py, where every model also trains in float16):
@@ -13,12 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # a system test: the real-model zoo
+
 pytest.importorskip("flax")
 pytest.importorskip("equinox")
 import equinox as eqx  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from real_models import MODELS, train_with_state  # noqa: E402
+from support.real_models import MODELS, train_with_state  # noqa: E402
 
 NAMES = list(MODELS)
 LM_NAMES = ["linen_lm", "nnx_decoder"]

@@ -1,4 +1,5 @@
-"""Autocast on real models (tests/real_models.py): linen, NNX and Equinox, as users write them.
+"""Autocast on real models (tests/support/real_models.py): linen, NNX and Equinox, as users
+write them.
 
 For every model of the zoo, under ``jit`` and with dropout and padding on:
 ``autocast`` in ``mixed_bfloat16`` and ``mixed_float16`` gives the float32
@@ -20,13 +21,14 @@ import pytest
 
 import jmp_policy
 import jmp_policy.flax  # noqa: F401  (the NNX train step)
-from excess_precision import COMPILERS
+from support.excess_precision import COMPILERS
 
-rm = pytest.importorskip("real_models")  # skips with flax or equinox missing
+rm = pytest.importorskip("support.real_models")  # skips with flax or equinox missing
 nnx = pytest.importorskip("flax.nnx")
 eqx = pytest.importorskip("equinox")
 
-pytestmark = pytest.mark.filterwarnings("error")  # no AutocastWarning, no unmatched rule
+pytestmark = [pytest.mark.slow,  # a system test: the real-model zoo
+              pytest.mark.filterwarnings("error")]  # no AutocastWarning, no unmatched rule
 
 NAMES = sorted(rm.MODELS)
 HALF = {"mixed_bfloat16": 3e-2, "mixed_float16": 1e-2}  # loss tolerance; 5x for gradients
@@ -106,7 +108,7 @@ def test_every_precision_matches_float32(name):
 
 
 def test_float8_matches_float32_as_on_a_gpu():
-    """As XLA:GPU computes it (tests/excess_precision.py), for the language model: rowwise
+    """As XLA:GPU computes it (tests/support/excess_precision.py), for the language model: rowwise
     float8 products, whose operands autocast narrows most."""
     model = rm.MODELS["linen_lm"]
     losses = {p: f for p, f in variants(model).items() if p in ("float32", "rowwise")}

@@ -1,4 +1,4 @@
-"""The numerics inspector on real models (tests/real_models.py): linen, NNX and Equinox.
+"""The numerics inspector on real models (tests/support/real_models.py): linen, NNX and Equinox.
 
 For every model of the zoo, in train mode (dropout and padding on), inspected
 with its backward pass under ``mixed_float16``: every row is named by a module
@@ -17,7 +17,8 @@ import pytest
 
 import jmp_policy
 
-rm = pytest.importorskip("real_models")  # skips with flax or equinox missing
+rm = pytest.importorskip("support.real_models")  # skips with flax or equinox missing
+pytestmark = pytest.mark.slow  # a system test: the real-model zoo
 nnx = pytest.importorskip("flax.nnx")
 autocast_tests = pytest.importorskip("test_real_models_autocast")
 

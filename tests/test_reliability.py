@@ -78,6 +78,7 @@ def make_train_step(tx):
 # Fault injection.
 
 
+@pytest.mark.slow  # a system test: a training run (500 steps)
 def test_fault_injection_500_steps():
     rng = random.Random(1234)
     x, y = make_data()

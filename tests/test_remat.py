@@ -25,7 +25,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 
 import jmp_policy
-from jaxpr_walk import eqns, scoped_eqns
+from support.jaxpr_walk import eqns, scoped_eqns
 from jmp_policy import Float8Recipe, autocast
 
 cp = jax.checkpoint_policies

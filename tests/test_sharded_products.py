@@ -12,7 +12,9 @@ import json
 
 import pytest
 
-from _sharded_hlo import shared_run
+from support.sharded_hlo import shared_run
+
+pytestmark = pytest.mark.slow  # a system test: a child interpreter on 8 devices
 
 RECIPES = ("none", "tensorwise", "rowwise", "mxfp8", "nvfp4")
 MODES = ("explicit", "auto")

@@ -22,7 +22,7 @@ the tokens sharded its ``out_sharding`` form fails in its backward pass and in
 XLA:CPU's expansion), so that is the form tested there; autocast's products must run
 wherever plain JAX's do.
 
-Everything runs in one subprocess (tests/_sharded_training_worker.py), which reports
+Everything runs in one subprocess (tests/support/sharded_training_worker.py), which reports
 facts; the checks are here.
 """
 
@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import pytest
 
-from _sharded_hlo import TESTS, shared_run
+from support.sharded_hlo import SUPPORT, shared_run
+
+pytestmark = pytest.mark.slow  # a system test: a child interpreter on 8 devices
 
 MODES = ("explicit", "auto")
 FEATURES = ("q8", "q4", "cast", "lp")
@@ -40,7 +42,7 @@ RECIPES = ("none", "tensorwise", "rowwise", "mxfp8", "nvfp4")
 @pytest.fixture(scope="module")
 def facts(tmp_path_factory):
     return shared_run(tmp_path_factory, "sharded_training",
-                      [TESTS / "_sharded_training_worker.py"])
+                      [SUPPORT / "sharded_training_worker.py"])
 
 
 @pytest.fixture(scope="module")

@@ -485,6 +485,7 @@ def test_scaled_value_and_grad_errors():
         jmp_policy.scaled_value_and_grad(jnp.sum, has_aux=True)(2.0, jnp.ones(3))
 
 
+@pytest.mark.slow  # a system test: a training run
 def test_spec_train_step_trains_in_float16():
     """The complete jitted train step from SPEC section 3, with float16 compute."""
     policy = jmp_policy.Policy("mixed_float16")

@@ -1,5 +1,5 @@
 """The deviceless XLA:GPU tier: what XLA:GPU makes of the library's programs, read from the
-optimized H100 program (compiled here without a GPU; see tests/xla_gpu.py).
+optimized H100 program (compiled here without a GPU; see tests/support/xla_gpu.py).
 
 The suite's other tests run on XLA:CPU, which keeps every float rounding. XLA:GPU does
 not (``xla_allow_excess_precision``), turns float8 products into cuBLASLt or Triton
@@ -27,10 +27,11 @@ import optax
 import pytest
 
 import jmp_policy
-import jaxpr_walk
-import xla_gpu
+from support import jaxpr_walk
+from support import xla_gpu
 
-pytestmark = [pytest.mark.xla_gpu, xla_gpu.requires_plugin]
+# A system test tier (slow): compiles for an H100 with the CUDA plugin's compiler.
+pytestmark = [pytest.mark.xla_gpu, pytest.mark.slow, xla_gpu.requires_plugin]
 
 FIGURES: Dict[str, Any] = {}
 
@@ -74,7 +75,7 @@ def assert_roundings_kept(name: str, fn: Callable[..., Any], *specs: Any,
     rounding the same sum) and drops dead ones, which lowers both counts alike; the
     bar is the sites XLA keeps when it may remove no round trip. It is necessary, not
     sufficient: XLA may duplicate a rounding into several kernels, which can hide a
-    removed one; the tests on XLA:CPU with tests/excess_precision.py check the values.
+    removed one; the tests on XLA:CPU with tests/support/excess_precision.py check the values.
     """
     sites = xla_gpu.quantization_sites(jax.make_jaxpr(fn)(*specs))
     assert sites or not sites_expected, f"{name}: no quantization site: not the program meant"
@@ -310,7 +311,7 @@ def test_a_parameter_adds_to_the_h100_step_a_few_times_what_adam_adds(name):
     """The HLO instructions one more parameter adds to an optimizer step's H100 program,
     against plain Adam's (as tests/test_optimizer_size.py for XLA:CPU). XLA:GPU's
     priority fusion, the longest pass here, takes a time about proportional to them."""
-    from compiled_kernels import instructions_per_leaf
+    from support.compiled_kernels import instructions_per_leaf
 
     def compile(step: Callable[..., Any], *args: Any) -> str:
         with xla_gpu.harness.callbacks_on_device():  # low_precision_params' misuse check

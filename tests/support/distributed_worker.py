@@ -4,9 +4,9 @@ Each scenario needs a device count that must be fixed before JAX starts, so it
 runs here, in a fresh interpreter, and writes what it observed (plain facts,
 no verdicts) to a JSON file that the test then checks:
 
-    python tests/_distributed_worker.py mesh OUT.json
-    python tests/_distributed_worker.py shard_map OUT.json
-    python tests/_distributed_worker.py multiprocess OUT.json PROCESS_ID PORT
+    python tests/support/distributed_worker.py mesh OUT.json
+    python tests/support/distributed_worker.py shard_map OUT.json
+    python tests/support/distributed_worker.py multiprocess OUT.json PROCESS_ID PORT
 """
 
 from __future__ import annotations

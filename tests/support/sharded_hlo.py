@@ -23,7 +23,8 @@ except ImportError:  # Windows
     fcntl = None  # type: ignore[assignment]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-TESTS = pathlib.Path(__file__).resolve().parent
+SUPPORT = pathlib.Path(__file__).resolve().parent  # the worker scripts
+TESTS = SUPPORT.parent
 
 
 def collective_ops(text: str) -> list[dict[str, Any]]:
@@ -55,7 +56,7 @@ def shared_run(tmp_path_factory: Any, name: str, argv: Sequence[Any],
     The run is a test file's time, and each pytest-xdist worker that runs one of the
     file's tests sets its fixtures up: the workers share one run. The first to take the
     lock runs it in the session's directory (the workers' common parent, new each
-    session), the others read its facts. The child imports this directory's helpers and
+    session), the others read its facts. The child imports the suite's helpers (`support`) and
     uses the suite's persistent compilation cache (tests/conftest.py)."""
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxpr_walk
+from support import jaxpr_walk
 from benchmarks import harness  # the H100's description (one place for it)
 
 SKIP_REASON = "needs the CUDA plugin: pip install -e '.[test,xla-gpu]' — no GPU needed"
@@ -290,7 +290,7 @@ def inspector_program(inspect: Callable[..., Any], *args: Any, callbacks_as_outp
         if jax.eval_shape(program, *call_args)[1]:
             return (program if callbacks_as_outputs else fun), call_args
     raise AssertionError("the inspection jitted no program that makes host callbacks; "
-                         "tests/xla_gpu.py's inspector_program needs updating")
+                         "tests/support/xla_gpu.py's inspector_program needs updating")
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@
 Runs on 8 simulated CPU devices (the test sets the device count) and writes what it
 observed, plain facts and no verdicts, to a JSON file:
 
-    python tests/_sharded_training_worker.py OUT.json
+    python tests/support/sharded_training_worker.py OUT.json
 
 * ``training``: a train step as a user writes it (``jit`` around ``value_and_grad``,
   the optimizer's ``update`` and ``optax.apply_updates``) of a small MLP whose layers
@@ -35,7 +35,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 # Imported before any mesh is set: jmp_policy cannot be imported under jax.set_mesh.
 import jmp_policy
-from _sharded_hlo import collective_ops
+from support.sharded_hlo import collective_ops
 
 PARAM_SPECS = {  # mesh axes of each parameter: (4, 2) devices, ("data", "model")
     "dp": {"w": (), "b": ()},
