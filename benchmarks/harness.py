@@ -78,6 +78,7 @@ files as markdown; ``python -m benchmarks.harness run --library PATH <script>
 
 from __future__ import annotations
 
+import ast
 import collections
 import contextlib
 import dataclasses
@@ -1111,24 +1112,50 @@ def load_file(path: str, name: Optional[str] = None) -> Any:
     """The Python file ``path`` (relative to the repository root: ``examples/x.py``,
     ``tests/test_real_models_autocast.py``) as a module named ``name`` (default: the
     file's stem), loaded once per process. Examples and test modules are scripts, not
-    packages: their folder goes on ``sys.path``, so that what they import from it
-    (``examples``' siblings, the tests' ``support`` package) is found as Python or
-    pytest, running them from there, would find it."""
+    packages: the modules and packages of the same folder that it imports (the
+    tests' ``support`` package), as Python or pytest running it from there would find
+    them, are loaded first under their names."""
     name = name or os.path.splitext(os.path.basename(path))[0]
-    if name not in sys.modules:
-        folder = os.path.join(REPO, os.path.dirname(path))
-        if folder not in sys.path:
-            sys.path.append(folder)
-        spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, path))
-        assert spec is not None and spec.loader is not None, path
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses (flax modules) look their module up
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    return sys.modules[name]
+    if name in sys.modules:
+        return sys.modules[name]
+    folder = os.path.dirname(path)
+    for imported in _imported_names(path):
+        sibling = os.path.join(folder, imported)
+        if os.path.exists(os.path.join(REPO, sibling, "__init__.py")):
+            _load(imported, os.path.join(sibling, "__init__.py"), package=sibling)
+        elif os.path.exists(os.path.join(REPO, sibling + ".py")):
+            load_file(sibling + ".py", imported)
+    return _load(name, path)
+
+
+def _imported_names(path: str) -> set[str]:
+    """The top-level names of the modules ``path`` imports absolutely."""
+    with open(os.path.join(REPO, path)) as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _load(name: str, path: str, package: Optional[str] = None) -> Any:
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(REPO, path),
+        submodule_search_locations=None if package is None else [os.path.join(REPO, package)])
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses (flax modules) look their module up
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def add_common_arguments(parser: Any, *, rounds: int = 10, iters: int = 5,

@@ -74,7 +74,7 @@ __all__ = [
     # formats and their facts
     "Format", "format_of", "facts_of", "grid",
     # bit patterns
-    "I32", "SIGN_BIT", "INF_BITS", "pattern", "split_sign", "magnitude_bits", "as_float",
+    "SIGN_BIT", "INF_BITS", "pattern", "split_sign", "magnitude_bits", "as_float",
     "negative_mask", "nonzero_mask", "finite_mask", "below", "positive", "where_bits",
     "exponent_field", "power_of_two", "floor_power_of_two", "bits_of", "split_float32",
     "join_float32",
