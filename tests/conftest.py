@@ -19,12 +19,6 @@ for _flag in _FAST_COMPILE:
     if _flag not in os.environ.get("XLA_FLAGS", ""):  # pytest-xdist workers inherit them
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
-# MLIR locations with the innermost frame of the user's code, not a 100-frame traceback:
-# less for JAX to build when lowering the suite's ~6000 programs. Nothing the tests read
-# depends on it (the jaxprs keep their source information; HLO keeps its op names).
-os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "false")
-os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "1")
-
 # Child interpreters (the tests' scripts, the examples, tests/support's workers) import
 # this checkout's jmp_policy, as the tests do, not one installed from another checkout.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
