@@ -60,18 +60,23 @@ def xla_cpu():
         yield
 
 
+_EMULATED_GPU = "excess precision as on a GPU"  # the emulated variants' test id
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m reads the marks
 def pytest_collection_modifyitems(config, items):
     """The docstrings' examples (``--doctest-modules``, pyproject) are documentation, as
     docs/'s pages are (test_docs.py::test_page_blocks_run): system tests, marked slow. Run
-    eagerly, as users paste them, they compile one program per operation (~9 s in all).
+    eagerly, as users paste them, they compile one program per operation. So are the
+    variants compiled with the emulation of XLA:GPU's float rewrites
+    (``support.excess_precision``): another backend's tier, as the deviceless one is.
 
     The modules of system tests alone (the zoo, the examples, the child interpreters on 8
     devices, the type checkers) run first, each whole: pytest-xdist hands out tests in
     this order, and one of them last (test_sharded_training's 20 s child interpreter) kept
     one worker busy after the other had finished."""
     for item in items:
-        if isinstance(item, pytest.DoctestItem):
+        if isinstance(item, pytest.DoctestItem) or _EMULATED_GPU in item.nodeid:
             item.add_marker(pytest.mark.slow)
     modules = {}
     for item in items:
