@@ -1,7 +1,12 @@
 """jmp_policy: mixed precision for JAX.
 
-Dtype policies (Keras / jmp names), loss scaling as an optax transformation,
-per-operation autocast, and Flax integration (``jmp_policy.flax``, optional).
+Dtype policies (Keras / jmp names), loss scaling and low-precision optimizer
+states as optax transformations, per-operation autocast with float8 and
+block-scaled products, a numerics inspector, and Flax integration
+(``jmp_policy.flax``, optional). One package per feature (``policy``,
+``optim``, ``float8``, ``autocast``, ``inspector``, ``flax``) on a core of
+number formats (``formats``), dtypes, paths, shardings and jaxprs; every
+public name is here.
 
 >>> import jmp_policy
 >>> policy = jmp_policy.Policy("mixed_bfloat16")
@@ -9,10 +14,9 @@ per-operation autocast, and Flax integration (``jmp_policy.flax``, optional).
 dtype(bfloat16)
 """
 
-from jmp_policy.autocast import AutocastWarning, autocast, dot_general
+from jmp_policy.autocast import AutocastWarning, autocast, dot_general, float8_state
 from jmp_policy.dtypes import half_dtype
 from jmp_policy.float8 import AmaxHistory, Float8Recipe, Float8State
-from jmp_policy.autocast import float8_state
 from jmp_policy.inspector import NumericsReport, inspect_numerics
 from jmp_policy.loss_scale import (
     DynamicLossScale,

@@ -1,4 +1,5 @@
-"""The numerics inspector: which operations overflow, underflow or lose precision, and where.
+"""`inspect_numerics` and its `NumericsReport`: which operations overflow, underflow or lose
+precision, and where.
 
 ``inspect_numerics(fn, policy)`` runs ``autocast(fn, policy)`` (with
 ``argnums``, its backward pass too) and observes every operation it computes
