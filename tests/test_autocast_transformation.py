@@ -351,7 +351,7 @@ def test_autocast_functions_made_over_and_over_keep_no_growing_cache():
 
 
 def test_a_pass_through_branch_keeps_float32_as_jnp_where_does():
-    # SPEC §5: a float32 value stays float32 unless matrix work produced it. A choice
+    # A float32 value stays float32 unless matrix work produced it. A choice
     # between a product and an input passed through (lax.cond, jnp.where) is not a product.
     from jax import lax
 

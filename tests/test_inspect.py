@@ -590,7 +590,7 @@ def test_half_precision_arithmetic_is_compared_with_float32(compiler):
 
 def test_a_float32_reduction_of_half_values_stays_float32():
     """jnp.sum of float16 values computes in float32 and casts back; autocast keeps the
-    float32 result (SPEC 5), so the sum does not overflow float16 and no row reports it."""
+    float32 result (a float32 value is never narrowed), so the sum does not overflow float16 and no row reports it."""
     x = jnp.full((4, 1024), 100.0, jnp.float16)  # row sums 102400 > 65504
     f = lambda x: jnp.mean(jnp.sum(x, axis=-1))  # noqa: E731
     assert float(jmp_policy.autocast(f, "mixed_float16")(x)) == 102400.0

@@ -487,7 +487,7 @@ def test_scaled_value_and_grad_errors():
 
 @pytest.mark.slow  # a system test: a training run
 def test_spec_train_step_trains_in_float16():
-    """The complete jitted train step from SPEC section 3, with float16 compute."""
+    """A complete jitted train step with loss scaling and float16 compute."""
     policy = jmp_policy.Policy("mixed_float16")
     tx = jmp_policy.loss_scaling(optax.adamw(1e-2), policy)
     params = {"w": jnp.full((8, 4), 0.1), "b": jnp.zeros(4)}
