@@ -62,7 +62,10 @@ Commands (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import dataclasses
 import math
+import multiprocessing
 import sys
 from typing import Any, Callable, List, Optional
 
@@ -109,6 +112,14 @@ TRAINING_RUNS: dict[str, Any] = {
     "nvfp4": "nvfp4",
     "nvfp4, round to nearest": R("nvfp4", stochastic_rounding=False),
     "nvfp4, batched=False": R("nvfp4", batched=False),
+    # The parts of the NVFP4 training recipe, each off in turn, and all off (the recipe
+    # before them); "last block bf16" is high_precision_layers=(0, 1) of the two blocks.
+    "nvfp4, no Hadamard": R("nvfp4", hadamard=False),
+    "nvfp4, 1D weight blocks": R("nvfp4", tiled_weights=False),
+    "nvfp4, batched=True": R("nvfp4", batched=True),
+    "nvfp4, none of the parts": R("nvfp4", batched=True, hadamard=False, tiled_weights=False),
+    "nvfp4, last block bf16": R("nvfp4", exclude=(*R.DEFAULT_EXCLUDE, r"(^|/)Block_1(/|$)")),
+    "nvfp4, bf16 last 10%": ("nvfp4", 0.1),
 }
 
 
@@ -244,13 +255,28 @@ def compile_cost(report: harness.Report, a: argparse.Namespace) -> None:
 
 TRAINING_COLUMNS = [
     harness.Column("held_out_bpb", "held-out loss", "bits/byte"),
+    harness.Column("held_out_plain_bpb", "held-out loss, weights run without fp8", "bits/byte"),
     harness.Column("train_bpb", "training loss, last steps", "bits/byte"),
 ]
 
 
+def _train_run(job: tuple[Any, ...]) -> tuple[str, dict[str, float]]:
+    """One training run, ``(name, spec, seed, steps, tail, config)``, in this process or a
+    worker: a spec is a recipe, or ``(recipe, fraction)`` to train the last ``fraction``
+    of the steps without float8."""
+    name, spec, seed, steps, tail, config = job
+    lm = harness.load_file("examples/transformer_lm.py")
+    fp8, last = spec if isinstance(spec, tuple) else (spec, 0.0)
+    r = lm.train("mixed_bfloat16", steps=steps, seed=seed, config=lm.Config(**config),
+                 text=lm.load_text(),
+                 fp8=fp8, final_steps_without_fp8=int(round(last * steps)))
+    return name, {"held_out_bpb": r["test_bits_per_byte"],
+                  "held_out_plain_bpb": r["test_bits_per_byte_without_fp8"],
+                  "train_bpb": float(np.mean(r["losses"][-tail:])) / math.log(2)}
+
+
 def training(report: harness.Report, a: argparse.Namespace, path: str) -> None:
     lm = harness.load_file("examples/transformer_lm.py")
-    text = lm.load_text()
     config = lm.Config(experts=a.experts) if not a.quick else lm.Config(
         d_model=16, heads=1, layers=1, seq_len=16, experts=a.experts)
     unknown = set(a.runs or ()) - set(TRAINING_RUNS)
@@ -258,15 +284,17 @@ def training(report: harness.Report, a: argparse.Namespace, path: str) -> None:
         raise SystemExit(f"--runs: unknown {sorted(unknown)}; known: {list(TRAINING_RUNS)}")
     runs = {n: r for n, r in TRAINING_RUNS.items() if a.runs is None or n in a.runs}
     runs = runs if not a.quick else dict(list(runs.items())[:3])
-    samples: dict[str, dict[str, list[float]]] = {n: {"held_out_bpb": [], "train_bpb": []}
-                                                 for n in runs}
+    samples: dict[str, dict[str, list[float]]] = {
+        n: {c.key: [] for c in TRAINING_COLUMNS} for n in runs}
+    pool = concurrent.futures.ProcessPoolExecutor(
+        a.workers, mp_context=multiprocessing.get_context("spawn")) if a.workers > 1 else None
     for i, seed in enumerate(a.seeds):
-        for name, fp8 in runs.items():
-            r = lm.train("mixed_bfloat16", steps=a.steps, seed=seed, config=config, text=text,
-                         fp8=fp8)
-            samples[name]["held_out_bpb"].append(r["test_bits_per_byte"])
-            samples[name]["train_bpb"].append(float(np.mean(r["losses"][-a.tail:])) / math.log(2))
-            print(f"  seed {seed} {name}: held-out {r['test_bits_per_byte']:.4f}", flush=True)
+        jobs = [(name, spec, seed, a.steps, a.tail, dataclasses.asdict(config))
+                for name, spec in runs.items()]
+        for name, figures in (pool.map(_train_run, jobs) if pool else map(_train_run, jobs)):
+            for key, value in figures.items():
+                samples[name][key].append(value)
+            print(f"  seed {seed} {name}: held-out {figures['held_out_bpb']:.4f}", flush=True)
         # Written after every seed, so that a run cut short keeps the seeds it finished.
         report.tables = []
         table = report.table(
@@ -297,6 +325,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--tail", type=int, default=300, help="training-loss steps averaged")
     parser.add_argument("--runs", nargs="+", default=None,
                         help=f"training runs to do, by name (default: all of {list(TRAINING_RUNS)})")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="training runs at once, each in its own process")
     parser.add_argument("--experts", type=int, default=0,
                         help="train the example's mixture-of-experts variant with this many experts")
     harness.add_common_arguments(parser, compile_rounds=5)

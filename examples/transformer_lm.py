@@ -273,13 +273,18 @@ def run_name(policy: Any, fp8: Any = None) -> str:
 
 def train(policy: Any, *, steps: int = 300, seed: int = 0, config: Config = Config(),
           text: Optional[np.ndarray] = None, progress: bool = False,
-          measure_memory: bool = False, fp8: Any = None) -> Dict[str, Any]:
+          measure_memory: bool = False, fp8: Any = None,
+          final_steps_without_fp8: int = 0) -> Dict[str, Any]:
+    """Trains for ``steps`` steps; with ``fp8``, the last ``final_steps_without_fp8`` of
+    them without it: a second train step of the same loss (a new autocast), which takes
+    the same parameters and optimizer state (a delayed recipe's histories are dropped)."""
     policy = jmp_policy.Policy(policy)
     name = run_name(policy, fp8)
     text = load_text() if text is None else text
     split = int(0.9 * len(text))
     train_text, test_text = text[:split], text[split:]
     init, train_step, eval_loss = make_train_step(policy, config, fp8=fp8)
+    _, plain_step, plain_loss = make_train_step(policy, config)
     params, opt_state = init(seed)
     data = batches(train_text, config, seed)
     test_batches = held_out_batches(test_text, config)
@@ -305,6 +310,8 @@ def train(policy: Any, *, steps: int = 300, seed: int = 0, config: Config = Conf
         if i == 1:  # the first step compiles
             jax.block_until_ready(params)
             start = time.perf_counter()
+        if fp8 is not None and i == steps - final_steps_without_fp8:
+            train_step, eval_loss, opt_state = plain_step, plain_loss, (opt_state[0], None)
         params, opt_state, loss = train_step(params, opt_state, next(data))
         losses.append(loss)
         scales.append(jmp_policy.get_loss_scale(opt_state).loss_scale)
@@ -316,6 +323,9 @@ def train(policy: Any, *, steps: int = 300, seed: int = 0, config: Config = Conf
         "steps": steps,
         "test_bits_per_byte": float(np.mean([eval_loss(params, b, opt_state[1])
                                              for b in test_batches])) / math.log(2),
+        # The same weights without float8: the model the recipe trained, not its inference.
+        "test_bits_per_byte_without_fp8": float(np.mean([plain_loss(params, b)
+                                                         for b in test_batches])) / math.log(2),
         "steps_per_s": (steps - 1) / elapsed if steps > 1 else float("nan"),
         "skipped_steps": int(optax.tree_utils.tree_get(opt_state, "skipped_steps")),
         "final_loss_scale": float(scales[-1]),

@@ -827,6 +827,8 @@ class SeedStreams(NamedTuple):
       lhs_gradient: a quantized product's incoming gradient, rounded for the
         contraction that gives its left operand's gradient.
       rhs_gradient: the same, for its right operand's gradient.
+      hadamard_signs: the random signs of NVFP4's Hadamard transform (drawn once, a
+        constant of every program; not a rounding, but a draw all the same).
     """
 
     low_precision_params: int
@@ -834,10 +836,11 @@ class SeedStreams(NamedTuple):
     quantize_state: int
     lhs_gradient: int
     rhs_gradient: int
+    hadamard_signs: int
 
 
 SEED_STREAMS = SeedStreams(low_precision_params=1, cast_state=2, quantize_state=3,
-                           lhs_gradient=4, rhs_gradient=5)
+                           lhs_gradient=4, rhs_gradient=5, hadamard_signs=6)
 """The stream of each of the library's stochastic roundings."""
 
 _FIXED_WORD = 0x5EED5A17

@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-__all__ = ["explicit", "gathered", "in_whole_blocks", "permuted", "shards", "varying"]
+__all__ = ["explicit", "explicit_or_replicated", "gathered", "in_whole_blocks", "permuted", "shards", "varying"]
 
 
 def explicit(x: Any) -> Optional[NamedSharding]:
@@ -42,6 +42,19 @@ def explicit(x: Any) -> Optional[NamedSharding]:
     if not any(t == AxisType.Explicit for t in sharding.mesh.axis_types):
         return None
     return sharding
+
+
+def explicit_or_replicated(x: Any) -> Optional[NamedSharding]:
+    """`explicit` of ``x``, or, for an ``x`` whose type has no mesh (an uncommitted array
+    passed to ``jit``) under a mesh of explicit axes (``jax.set_mesh``), replicated on it:
+    how JAX types such an array's gradient."""
+    sharding = explicit(x)
+    if sharding is not None:
+        return sharding
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not any(t == AxisType.Explicit for t in mesh.axis_types):
+        return None
+    return NamedSharding(mesh, PartitionSpec())  # type: ignore[no-untyped-call]
 
 
 def permuted(sharding: Optional[NamedSharding], perm: Optional[Sequence[int]]

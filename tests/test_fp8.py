@@ -88,7 +88,7 @@ def test_recipe_defaults_are_immutable_and_hashable():
     ({"exclude": ["logits", "(unclosed"]}, ValueError, "'\\(unclosed' is not a valid regular"),
     ({"exclude": [3]}, TypeError, "exclude entries must be strings"),
     ({"power_of_two_scales": 1}, TypeError, "True or False"),
-    ({"batched": None}, TypeError, "batched must be True or False"),
+    ({"batched": 1}, TypeError, "batched must be True or False"),
 ])
 def test_recipe_rejects_bad_settings_naming_them(kwargs, error, match):
     with pytest.raises(error, match=match):

@@ -146,7 +146,8 @@ def to_format(y: jax.Array, dtype: Any, seed: Optional[jax.Array] = None) -> jax
 
 
 def quantize_blocks(x: Any, scaling: str, dtype: Any, *, seed: Optional[jax.Array] = None,
-                    tensor_scale: Optional[jax.Array] = None) -> Blocks:
+                    tensor_scale: Optional[jax.Array] = None,
+                    scales: Optional[jax.Array] = None) -> Blocks:
     """``x`` quantized in blocks of ``BLOCK_SIZES[scaling]`` along its last axis (a multiple
     of that size), values in ``dtype``, rounded stochastically if a ``seed`` is given.
 
@@ -156,7 +157,8 @@ def quantize_blocks(x: Any, scaling: str, dtype: Any, *, seed: Optional[jax.Arra
     whose scale JAX's MXFP8 makes a float32 subnormal and JAX's NVFP4 zero,
     and divides by). NVFP4's per-tensor scale is `nv_tensor_scale` unless
     ``tensor_scale`` (broadcastable against ``x``: one per expert's rows, say)
-    is given.
+    is given; the block scales are computed unless given in ``scales`` (float32, one
+    per block: a weight's 16 x 16 tiles, `tile_scales`).
 
     >>> import jax.numpy as jnp
     >>> x = jnp.array([[0.5, -1.0, 2.9, 6.0] + [0.0] * 12, [0.25] * 16])
@@ -179,10 +181,66 @@ def quantize_blocks(x: Any, scaling: str, dtype: Any, *, seed: Optional[jax.Arra
     else:
         tensor_scale = jnp.ones((), _F32)
     blocks = jnp.reshape(x, (*jnp.shape(x)[:-1], jnp.shape(x)[-1] // block, block))
-    scale = _marked(block_scale(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), scaling,
-                                dtype), BLOCK_SCALES)
+    scale = (_marked(block_scale(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), scaling,
+                                 dtype), BLOCK_SCALES)
+             if scales is None else scales[..., None])
     q = to_format(lax.div(blocks, _nonzero(scale)), dtype, seed)
     return Blocks(jnp.reshape(q, jnp.shape(x)), scale[..., 0], tensor_scale)
+
+
+TILE = 16
+"""The side of NVFP4's square weight tiles: one scale per 16 x 16 values of a weight."""
+
+
+def tile_scales(x: Any, scaling: str, dtype: Any, tensor_scale: jax.Array) -> jax.Array:
+    """The block scales of ``x`` (float32 ``[..., n, k]``, both last axes multiples of
+    `TILE`, already in the layout its tiles are cut in) in square tiles of `TILE` x `TILE`
+    over its last two axes: ``[..., n / 16, k / 16]``.
+
+    A weight quantized with one scale per tile, not per 16 values along one axis, has
+    the same values whichever of its axes a product sums over: its forward and
+    backward products take the same quantized weight.
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.zeros((32, 16)).at[17, 3].set(6.0).at[0, 0].set(3.0)
+    >>> scales = tile_scales(x, "nvfp4", jnp.float4_e2m1fn, jnp.ones(()))
+    >>> scales.shape, scales.ravel().tolist()  # each tile's amax over 6, in e4m3
+    ((2, 1), [0.5, 1.0])
+    """
+    x = lax.div(unfoldable(formats.widen(x)), tensor_scale)
+    *lead, n, k = jnp.shape(x)
+    tiles = jnp.reshape(x, (*lead, n // TILE, TILE, k // TILE, TILE))
+    amax = jnp.max(jnp.abs(tiles), axis=(-3, -1))
+    return _marked(block_scale(amax, scaling, dtype), BLOCK_SCALES)
+
+
+def per_block(tiles: jax.Array, rows: int) -> jax.Array:
+    """Tile scales ``[..., n / 16, k / 16]`` as the block scales of the ``rows`` first of
+    the tiled array's ``n`` rows, in blocks of 16 along ``k``: ``[..., rows, k / 16]``
+    (each tile's scale for each of its 16 rows)."""
+    *lead, n_tiles, k_tiles = jnp.shape(tiles)
+    repeated = lax.broadcast_in_dim(tiles, (*lead, n_tiles, TILE, k_tiles),
+                                    (*range(len(lead)), len(lead), len(lead) + 2))
+    return lax.reshape(repeated, (*lead, n_tiles * TILE, k_tiles))[..., :rows, :]
+
+
+def dequantized_tiles(x: Any, scaling: str, dtype: Any,
+                      segments: Segments) -> tuple[jax.Array, jax.Array]:
+    """``x`` (``[experts, a, b]``, one matrix per segment) quantized in `TILE` x `TILE` tiles
+    over its last two axes (padded with zeros to whole tiles), NVFP4's tensor scale one
+    per segment, and dequantized: returns (float32 values of ``x``'s shape, without the
+    tensor scales; the tensor scales ``[count]``). A mixture of experts' weights, for the
+    emulated ragged products."""
+    x = unfoldable(formats.widen(x))
+    per_segment = _marked(segment_tensor_scales(x, segments), TENSOR_SCALES)
+    tensor_scale = per_row(per_segment, segments, jnp.ndim(x))
+    *lead, a, b = jnp.shape(x)
+    config = [(0, 0, 0)] * len(lead) + [(0, -a % TILE, 0), (0, -b % TILE, 0)]
+    padded = lax.pad(x, np.float32(0), config)
+    scales = tile_scales(padded, scaling, dtype, tensor_scale)
+    rows = per_block(scales, jnp.shape(padded)[-2])
+    q = quantize_blocks(padded, scaling, dtype, tensor_scale=tensor_scale, scales=rows)
+    return q.dequantized()[..., :a, :b], per_segment
 
 
 Segments = tuple[jax.Array, int]

@@ -94,7 +94,7 @@ class Contraction:
             return None
         if self.eqn is not None:
             return _sharding.explicit(self.eqn.outvars[0].aval)
-        return _sharding.permuted(_sharding.explicit(operand), self.perm)
+        return _sharding.permuted(_sharding.explicit_or_replicated(operand), self.perm)
 
     def arranged(self, out: jax.Array) -> jax.Array:
         """The contraction's result in the layout of the operand it is the gradient of."""

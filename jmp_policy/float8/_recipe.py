@@ -95,7 +95,11 @@ class Float8Recipe:
       batched: whether products with batch dimensions (attention's scores and
         weighted values, per-example weights under ``vmap``) run in float8
         too. ``False`` keeps them in the compute dtype and float8s only the
-        layers' products, as float8 training libraries for PyTorch do.
+        layers' products, as float8 training libraries for PyTorch do. ``None``
+        (the default) is ``True``, except for ``"nvfp4"``: attention's products
+        in 4-bit values cost more accuracy in training than all the layers'
+        products together (docs/fp8.md), and Transformer Engine's NVFP4 recipe
+        keeps them in bfloat16 too.
       power_of_two_scales: round every scale down to a power of two (exact
         scaling and rescaling, bit patterns that do not depend on rounding
         of the scale). Off by default: a scale mapping the absolute maximum
@@ -117,6 +121,20 @@ class Float8Recipe:
         gradient's own values, so that no state is carried. On by default for
         ``"nvfp4"``, whose two-bit grid biases gradients otherwise; off by
         default for the float8 scalings.
+      hadamard: for ``"nvfp4"``, whether the backward product giving a product's
+        right-operand (weight) gradient, a sum over tokens, rotates both its operands
+        first, in blocks of 16 along the tokens, by the same random Hadamard matrix
+        (``R = diag(signs) H / 4``, orthogonal, exact in float32, its signs drawn once
+        from ``jmp_policy.formats.SEED_STREAMS.hadamard_signs``): the same product,
+        with a token whose gradient is an outlier spread over its block rather than
+        setting the block's scale. ``None`` (the default) is on for ``"nvfp4"``.
+        Dense products only: a mixture of experts' weight gradient is not rotated.
+      tiled_weights: for ``"nvfp4"``, whether the right operand of each product
+        without batch dimensions (a layer's weight; the experts' matrices of a
+        mixture of experts) takes one block scale per 16 x 16 tile rather than per
+        16 values along the summed axis, so that the forward product and the
+        backward one giving the left operand's gradient take the same quantized
+        weight. ``None`` (the default) is on for ``"nvfp4"``.
       native: for a block scaling, whether its products run as the block-scaled
         GEMM that the backend runs natively (``jax.nn.scaled_matmul``, cuDNN
         on Blackwell GPUs) or as its emulation (dequantize, multiply in
@@ -157,10 +175,12 @@ class Float8Recipe:
     # The smallest size float8 tensor-core GEMMs take (multiples of 16).
     min_size: int = 16
     exclude: Union[str, Sequence[str]] = DEFAULT_EXCLUDE
-    batched: bool = True
+    batched: Optional[bool] = None  # None: True except for "nvfp4"
     power_of_two_scales: bool = False
     float8_weight_gradient: bool = True
     stochastic_rounding: Optional[bool] = None  # None: on for "nvfp4" only
+    hadamard: Optional[bool] = None  # None: on for "nvfp4" only
+    tiled_weights: Optional[bool] = None  # None: on for "nvfp4" only
     native: Optional[bool] = None
     amax_history_length: int = 1024
     amax_reduction: AmaxReduction = "max"
@@ -174,8 +194,11 @@ class Float8Recipe:
             value = getattr(self, field)
             object.__setattr__(self, field, default if value is None
                                else _operand_dtype(value, field, self.scaling))
-        if self.stochastic_rounding is None:
-            object.__setattr__(self, "stochastic_rounding", self.scaling == "nvfp4")
+        for field in ("stochastic_rounding", "hadamard", "tiled_weights"):
+            if getattr(self, field) is None:
+                object.__setattr__(self, field, self.scaling == "nvfp4")
+        if self.batched is None:
+            object.__setattr__(self, "batched", self.scaling != "nvfp4")
         if isinstance(self.min_size, bool) or not isinstance(self.min_size, int):
             raise TypeError(f"Float8Recipe min_size must be an int, got {self.min_size!r}.")
         if self.min_size < 0:
@@ -184,7 +207,7 @@ class Float8Recipe:
                 f"dimension below it stay in the compute dtype), got {self.min_size!r}.")
         object.__setattr__(self, "exclude", _patterns(self.exclude))
         for field in ("batched", "power_of_two_scales", "float8_weight_gradient",
-                      "stochastic_rounding"):
+                      "stochastic_rounding", "hadamard", "tiled_weights"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(
                     f"Float8Recipe {field} must be True or False, got {getattr(self, field)!r}.")
@@ -192,6 +215,11 @@ class Float8Recipe:
             raise TypeError(
                 f"Float8Recipe native must be None, True or False, got {self.native!r}.")
         self._check_delayed_fields()
+        for field in ("hadamard", "tiled_weights"):
+            if getattr(self, field) and self.scaling != "nvfp4":
+                raise ValueError(
+                    f"Float8Recipe {field} applies to scaling='nvfp4' (16-value blocks of "
+                    f"4-bit values), not to scaling={self.scaling!r}; leave it None.")
         if self.blocks:
             if self.power_of_two_scales:
                 raise ValueError(
@@ -350,7 +378,7 @@ def why_not_float8(recipe: Float8Recipe, eqn: JaxprEqn, scope: str) -> Optional[
     if min(m, k, n) < max(recipe.min_size, 1):
         return (f"its sizes (M={m}, K={k}, N={n}) are below the recipe's "
                 f"min_size={recipe.min_size}")
-    if not recipe.batched and eqn.params["dimension_numbers"][1][0]:
+    if not recipe.batched and _dimension_numbers(eqn)[1][0]:
         return "it has batch dimensions and the recipe has batched=False"
     if recipe.excludes(scope):
         return (f"its scope {scope!r} matches the recipe's exclude (an output layer); "
