@@ -33,9 +33,9 @@ from jmp_policy.autocast import modules as _modules
 from jmp_policy.autocast.modules import Call
 from jmp_policy.float8 import Float8State, Slots, make_state
 from jmp_policy.float8 import Float8Like, Float8Recipe, as_recipe
-from jmp_policy.autocast._float8 import FLOAT8_PRODUCTS, float8_matmul
+from jmp_policy.autocast._float8 import FLOAT8_PRODUCTS, float8_matmul, kept_layers
 from jmp_policy.autocast.interpreter import (
-    Context, compute_dtype, eval_jaxpr, higher_order_names)
+    Context, MatmulRule, compute_dtype, eval_jaxpr, higher_order_names)
 from jmp_policy.dtypes import F32, DType, convert, represents
 from jmp_policy.autocast.interpreter import matmul
 from jmp_policy.autocast._outputs import PRODUCT, output_kinds
@@ -87,9 +87,10 @@ def autocast(fn: Callable[..., Any], policy: PolicyLike = None, *,
         operands scaled per tensor or row, or on block-scaled MXFP8 / NVFP4
         operands, accumulated in float32 (natively where the backend multiplies
         them, emulated exactly elsewhere). Products in a float32 scope, in a scope
-        the recipe excludes (by default a model's output layer) or smaller than its
-        ``min_size`` stay in the compute dtype; a function with no eligible
-        product warns.
+        the recipe excludes (by default a model's output layer), in a layer its
+        ``high_precision_layers`` keeps or smaller than its ``min_size`` stay in
+        the compute dtype; a function with no eligible product warns, and so do
+        the recipe's rules that match nothing (``UnmatchedRuleWarning``).
 
     >>> import jax, jax.numpy as jnp, jmp_policy
     >>> def layer(w, x):
@@ -276,8 +277,12 @@ def _evaluate(closed: ClosedJaxpr, settings: _Settings, values: Sequence[Any],
 def _interpret(closed: ClosedJaxpr, values: Sequence[Any], settings: _Settings,
                slots: Optional[Slots] = None) -> list[Any]:
     compute, _ = settings.dtypes(values)
-    rule = matmul if settings.recipe is None else float8_matmul(settings.recipe)
-    ctx = Context(compute, settings.rules.under(compute), rule, float8_slots=slots)
+    rules = settings.rules.under(compute)
+    rule: MatmulRule = matmul
+    if settings.recipe is not None:
+        layers = kept_layers(settings.recipe, closed, rules, settings.name)
+        rule = float8_matmul(settings.recipe, layers)
+    ctx = Context(compute, rules, rule, float8_slots=slots)
     outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, values)
     _warn_unmatched(settings, ctx.unmatched_scopes())
     if settings.recipe is not None and not ctx.tallied(FLOAT8_PRODUCTS):

@@ -110,6 +110,13 @@ def _current_recipe(fp8: Float8Like) -> Optional[Float8Recipe]:
             f"jmp_policy.dot_general fp8 must be None, {', '.join(map(repr, SCALINGS))} or "
             f"a jmp_policy.Float8Recipe; got {fp8!r}.")
     recipe = as_recipe(fp8)
+    if recipe is not None and any(recipe.high_precision_layers):
+        raise ValueError(
+            f"jmp_policy.dot_general cannot take Float8Recipe high_precision_layers="
+            f"{recipe.high_precision_layers}: each call sees one product, not the stack of "
+            "layers whose first and last it would keep. Wrap the loss in "
+            "jmp_policy.autocast(loss, policy, fp8=recipe), which sees the whole model, or "
+            "keep those layers' scopes out with Float8Recipe(exclude=...).")
     if recipe is not None and recipe.delayed:
         raise ValueError(
             "jmp_policy.dot_general cannot take a delayed-scaling Float8Recipe: its scales "

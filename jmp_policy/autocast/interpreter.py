@@ -46,7 +46,7 @@ from jmp_policy.dtypes import is_floating_dtype
 from jmp_policy.dtypes import (
     F32, DType, convert, dtype_of, is_floating, join, represents, retyped, widest)
 from jmp_policy.autocast.rules import FLOAT32_PRIMITIVES, AutocastWarning, Rules, rule_of
-from jmp_policy.jaxprs import bind
+from jmp_policy.jaxprs import bind, scoped_eqns
 from jmp_policy.paths import join_scope
 from jmp_policy.policy import Policy
 
@@ -130,6 +130,8 @@ class _TraceState:
     # jits whose one jaxpr is called many times.
     jaxprs: dict[tuple[Any, ...], tuple[ClosedJaxpr, ClosedJaxpr]] = dataclasses.field(
         default_factory=dict)
+    # Whether a sub-jaxpr (by id, held) has matrix products, nested ones included.
+    products: dict[int, tuple[ClosedJaxpr, bool]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,10 +394,13 @@ def autocast_jaxpr(ctx: Context, closed: ClosedJaxpr, in_dtypes: Sequence[Any],
     re-binding a ``jit`` with the same rewritten jaxpr reuses its compiled
     executable, which an eager call would otherwise compile again each time.
     """
-    # The scope is part of the key where it matters: for float32 scopes, and for an
-    # observer, which tells call sites apart.
+    # The scope is part of the key where it matters: for float32 scopes, for an observer,
+    # which tells call sites apart, and for the products of a rule that decides by scope
+    # (float8's exclude and kept layers: one jitted block called in every layer).
+    scoped = ctx.rules.float32_scopes or ctx.observe or (
+        ctx.matmul is not matmul and _has_products(ctx, closed))
     key = (tuple(in_dtypes), None if out_dtypes is None else tuple(out_dtypes), ctx.pinned,
-           ctx.scope if ctx.rules.float32_scopes or ctx.observe else None)
+           ctx.scope if scoped else None)
     hit = ctx._state.jaxprs.get((id(closed), *key))
     if hit is not None and hit[0] is closed:  # the entry holds `closed`, so its id is not reused
         return hit[1]
@@ -413,6 +418,16 @@ def autocast_jaxpr(ctx: Context, closed: ClosedJaxpr, in_dtypes: Sequence[Any],
     _REWRITES.put(ctx, closed, key, rewrite)
     ctx._state.jaxprs[(id(closed), *key)] = (closed, rewrite.jaxpr)
     return rewrite.jaxpr
+
+
+def _has_products(ctx: Context, closed: ClosedJaxpr) -> bool:
+    """Whether ``closed`` has a matrix-class equation, nested ones included (once per trace)."""
+    known = ctx._state.products.get(id(closed))
+    if known is not None and known[0] is closed:
+        return known[1]
+    found = any(ctx.rules.class_of(e.primitive) == "matmul" for _, e in scoped_eqns(closed))
+    ctx._state.products[id(closed)] = (closed, found)
+    return found
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,6 +52,16 @@ def _delayed(fp8: Float8Like, api: str) -> Float8Recipe:
             f"{api} runs delayed float8 scaling (fp8='delayed' or Float8Recipe('delayed', "
             f"...)); got fp8={fp8!r}. For current scaling, which keeps no state, pass "
             "dot_general=jmp_policy.dot_general(policy, fp8=...) to the layer instead.")
+    # The layer's product is an autocast function of its own, traced without the model's
+    # scopes: no stack to find, no module path for a pattern to match.
+    user = [p for p in recipe.exclude if p not in Float8Recipe.DEFAULT_EXCLUDE]
+    if any(recipe.high_precision_layers) or user:
+        raise ValueError(
+            f"{api} runs one product, traced without the model's scopes, so a Float8Recipe "
+            f"with high_precision_layers={recipe.high_precision_layers} or exclude entries "
+            f"{user} has no stack of layers or scope path to apply them to. Keep a layer "
+            "out of float8 by giving it no float8 dot_general, or wrap the loss in "
+            "jmp_policy.autocast(loss, policy, fp8=recipe) instead of these layers.")
     return recipe
 
 

@@ -11,6 +11,10 @@ applies it to a function's products. The modules, in reading order:
 * ``_recipe``: the recipe (`Float8Recipe`, `as_recipe` for autocast's ``fp8=``),
   which products it runs in float8 (`eligible`, `why_not_float8`) and in which
   formats (`operand_dtypes`, `native_block_products`);
+* ``_layers``: stacks of numbered layers among a function's scopes, and the layers
+  ``Float8Recipe.high_precision_layers`` keeps in the compute dtype (`KeptLayers`,
+  `find_stacks`); a jaxpr's products and where they are (`products`), and the
+  ``exclude`` entries none of them matches (`unmatched_patterns`);
 * ``_quantize``: the current- and delayed-scaling quantizers, a scale per tensor,
   row or group of a ragged product;
 * ``_blocks``: the block formats, MXFP8 and NVFP4, and the scopes their scales
@@ -41,6 +45,15 @@ from jmp_policy.float8._delayed import (
     make_state,
     stacked,
 )
+from jmp_policy.float8._layers import (
+    NO_LAYERS,
+    KeptLayers,
+    Product,
+    Stack,
+    find_stacks,
+    products,
+    unmatched_patterns,
+)
 from jmp_policy.float8._product import ForwardModeError, quantized_product
 from jmp_policy.float8._recipe import (
     SCALINGS,
@@ -55,6 +68,7 @@ from jmp_policy.float8._recipe import (
 
 __all__ = [
     "BLOCK_SCALES",
+    "NO_LAYERS",
     "SCALINGS",
     "TENSOR_SCALES",
     "AmaxHistory",
@@ -62,15 +76,21 @@ __all__ = [
     "Float8Recipe",
     "Float8State",
     "ForwardModeError",
+    "KeptLayers",
+    "Product",
     "Refused",
     "Slots",
+    "Stack",
     "as_recipe",
     "eligible",
     "empty_history",
+    "find_stacks",
     "make_state",
     "native_block_products",
     "operand_dtypes",
+    "products",
     "quantized_product",
     "stacked",
+    "unmatched_patterns",
     "why_not_float8",
 ]

@@ -35,6 +35,7 @@ from jmp_policy import formats
 from jmp_policy.dtypes import is_floating_dtype
 from jmp_policy.float8 import _blocks
 from jmp_policy.float8._axes import free_axes
+from jmp_policy.float8._layers import KeptLayers
 from jmp_policy.paths import is_backward
 from jmp_policy.paths import scope_names
 
@@ -149,6 +150,22 @@ class Float8Recipe:
         history, the default) or ``"most_recent"`` (the last step's). Values
         above it saturate to the format's largest value; an empty history
         (the first step) gives a scale of 1.
+      high_precision_layers: ``(first, last)``: in each stack of numbered
+        layers of the function (sibling scopes whose names differ only by a
+        trailing number: linen's ``Block_0``, ``Block_1``, ...; NNX's
+        ``layers/0``, ``layers/1``, ...; ``jax.named_scope(f"layer_{i}")``), the
+        products of the first ``first`` and the last ``last`` layers stay in the
+        compute dtype, forward and backward, as an excluded scope does (NVFP4
+        training keeps a few layers, mostly the last ones, in bfloat16). A
+        stack has two or more layers; a block's own numbered parts (each
+        block's ``Dense_0``, ``Dense_1``) are not one, and other numbered
+        siblings are (linen's automatic names included: name a model's other
+        layers to keep them out; see `jmp_policy.float8.find_stacks`). A
+        scanned stack (``nn.scan``, ``nnx.scan``, ``lax.scan`` over layers)
+        has one body and no layer numbers: split the scan, or unroll the
+        layers to keep. A rule that finds no stack warns
+        (``UnmatchedRuleWarning``). Applies to `jmp_policy.autocast`, which
+        sees the whole stack; ``(0, 0)`` (the default) keeps no layer.
 
     >>> import jmp_policy
     >>> recipe = jmp_policy.Float8Recipe("rowwise", min_size=64)
@@ -184,6 +201,7 @@ class Float8Recipe:
     native: Optional[bool] = None
     amax_history_length: int = 1024
     amax_reduction: AmaxReduction = "max"
+    high_precision_layers: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -220,6 +238,8 @@ class Float8Recipe:
                 raise ValueError(
                     f"Float8Recipe {field} applies to scaling='nvfp4' (16-value blocks of "
                     f"4-bit values), not to scaling={self.scaling!r}; leave it None.")
+        object.__setattr__(self, "high_precision_layers",
+                           _layer_counts(self.high_precision_layers))
         if self.blocks:
             if self.power_of_two_scales:
                 raise ValueError(
@@ -296,6 +316,24 @@ def _operand_dtype(value: Any, field: str, scaling: str) -> np.dtype[Any]:
     return dtype
 
 
+def _layer_counts(value: Any) -> tuple[int, int]:
+    try:
+        counts = tuple(value)
+    except TypeError:
+        counts = ()
+    if len(counts) != 2 or not all(isinstance(n, int) and not isinstance(n, bool)
+                                   for n in counts):
+        raise TypeError(
+            "Float8Recipe high_precision_layers must be a pair of ints (first, last): how "
+            "many of the first and of the last layers of each stack stay in the compute "
+            f"dtype, such as (0, 2); got {value!r}.")
+    if min(counts) < 0:
+        raise ValueError(
+            "Float8Recipe high_precision_layers must be two non-negative ints (first, last), "
+            f"such as (0, 2) or (0, 0) for none; got {value!r}.")
+    return counts[0], counts[1]
+
+
 def _patterns(exclude: Any) -> tuple[str, ...]:
     patterns = (exclude,) if isinstance(exclude, str) else exclude
     try:
@@ -351,20 +389,24 @@ RAGGED = "ragged_dot_general"
 by group, times their group's matrix of rhs ``[g, k, n]``."""
 
 
-def eligible(recipe: Float8Recipe, eqn: JaxprEqn, scope: str) -> bool:
+def eligible(recipe: Float8Recipe, eqn: JaxprEqn, scope: str,
+             layers: Optional[KeptLayers] = None) -> bool:
     """True when ``recipe`` runs ``eqn``, found under the name-scope path ``scope``, in float8.
 
     That is a ``dot_general``, or a ``ragged_dot_general`` of the
     mixture-of-experts layout (see `is_plain_ragged`), with floating operands,
     no size below ``recipe.min_size`` (empty products never qualify), batch
-    dimensions only if ``recipe.batched``, and a scope that no
-    ``recipe.exclude`` pattern matches. (A product in an autocast float32
-    scope runs in float32 before this is asked.)
+    dimensions only if ``recipe.batched``, a scope that no ``recipe.exclude``
+    pattern matches and, given the function's ``layers`` (the layers that
+    ``recipe.high_precision_layers`` keeps, found from all its products), a
+    scope in none of them. (A product in an autocast float32 scope runs in
+    float32 before this is asked.)
     """
-    return why_not_float8(recipe, eqn, scope) is None
+    return why_not_float8(recipe, eqn, scope, layers) is None
 
 
-def why_not_float8(recipe: Float8Recipe, eqn: JaxprEqn, scope: str) -> Optional[str]:
+def why_not_float8(recipe: Float8Recipe, eqn: JaxprEqn, scope: str,
+                   layers: Optional[KeptLayers] = None) -> Optional[str]:
     """Why ``recipe`` keeps ``eqn`` out of float8 (see `eligible`), or ``None`` if it
     does not."""
     if eqn.primitive.name == RAGGED:
@@ -383,7 +425,7 @@ def why_not_float8(recipe: Float8Recipe, eqn: JaxprEqn, scope: str) -> Optional[
     if recipe.excludes(scope):
         return (f"its scope {scope!r} matches the recipe's exclude (an output layer); "
                 "Float8Recipe(exclude=()) puts it in float8")
-    return None
+    return None if layers is None else layers.why(scope)
 
 
 def _dimension_numbers(eqn: JaxprEqn) -> Any:

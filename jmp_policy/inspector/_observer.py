@@ -117,6 +117,10 @@ class Registry:
         self._numbers: dict[tuple[int, str], int] = {}
         self._eqns: list[JaxprEqn] = []  # kept alive, so that their ids are not reused
 
+    def eqn(self, number: int) -> JaxprEqn:
+        """The equation of row ``number``."""
+        return self._eqns[number]
+
     def number(self, eqn: JaxprEqn, info: RowInfo) -> int:
         key = (id(eqn), info.path)
         found = self._numbers.get(key)

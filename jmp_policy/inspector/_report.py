@@ -41,19 +41,21 @@ from typing import (
 import jax
 import numpy as np
 from jax.core import Tracer
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from jmp_policy import formats
 from jmp_policy.autocast import modules as _modules
 from jmp_policy.autocast import autocast
 from jmp_policy.autocast.modules import Call
-from jmp_policy.float8 import SCALINGS, Float8Like, Float8Recipe, as_recipe
+from jmp_policy.float8 import (
+    NO_LAYERS, SCALINGS, Float8Like, Float8Recipe, KeptLayers, as_recipe, eligible,
+    products, why_not_float8)
 from jmp_policy.inspector._observer import (
     HostSink, Observer, Registry, dead_equations, observe, rel_error)
 from jmp_policy.autocast.interpreter import compute_dtype, higher_order_names
 from jmp_policy.dtypes import is_floating
 from jmp_policy.jaxprs import Kept
-from jmp_policy.autocast.rules import parse_rules
+from jmp_policy.autocast.rules import MATMUL_PRIMITIVES, parse_rules
 from jmp_policy.paths import display_scope, is_backward
 from jmp_policy.policy import Policy, PolicyLike, as_policy
 
@@ -120,6 +122,11 @@ class NumericsRow:
       index: how many rows of the same scope, primitive, phase and shapes come
         before it in program order (the query's and the key's products of an
         attention layer: 0 and 1); the table shows it as ``dot_general#1``.
+      why_not_fp8: for a matrix product that an inspection with ``fp8`` ran in
+        the compute dtype, why the recipe kept it out of float8, as
+        ``jmp_policy.float8.why_not_float8`` says (a scope it excludes, a size
+        below its ``min_size``, a layer its ``high_precision_layers`` keeps);
+        ``None`` for other rows.
     """
 
     scope: str
@@ -138,6 +145,7 @@ class NumericsRow:
     fp8_flushed: Optional[int] = None
     shapes: str = ""
     index: int = 0
+    why_not_fp8: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,7 +344,7 @@ def inspect_numerics(
 
         first = run(1.0)
         gradients = _gradients(program.registry, first, run) if wrt is not None else None
-        return _report(program.registry, first, meta, gradients)
+        return _report(program.registry, first, meta, gradients, _reasons(recipe, call, rules))
 
     return inspect
 
@@ -514,6 +522,29 @@ def _scalar(out: Any, name: str) -> Any:
         "the loss function, or leave argnums out to inspect the forward pass only.")
 
 
+Reasons = Callable[[JaxprEqn, str], Optional[str]]
+"""Why a product (equation, scope path) of the inspected program is not in float8."""
+
+
+def _reasons(recipe: Optional[Float8Recipe], call: Call,
+             rules: Optional[Mapping[str, Any]]) -> Optional[Reasons]:
+    """Why the recipe keeps a product out of float8, as autocast decided it for ``call``:
+    the layers ``high_precision_layers`` keeps are those of ``fn``'s own products."""
+    if recipe is None:
+        return None
+    layers = NO_LAYERS
+    if any(recipe.high_precision_layers):
+        pinned = parse_rules(rules, higher_order_names()).scopes_in
+        layers = KeptLayers.of(recipe.high_precision_layers, [
+            p.unrolled for p in products(call.trace())
+            if not pinned(p.scope) and eligible(recipe, p.eqn, p.scope)])
+
+    def reason(eqn: JaxprEqn, path: str) -> Optional[str]:
+        return why_not_float8(recipe, eqn, path, layers)
+
+    return reason
+
+
 def _recipe_name(recipe: Float8Recipe) -> str:
     return recipe.scaling if recipe == Float8Recipe(recipe.scaling) else repr(recipe)
 
@@ -521,7 +552,8 @@ def _recipe_name(recipe: Float8Recipe) -> str:
 # --- Building the report -------------------------------------------------------------------
 
 def _report(registry: Registry, sink: HostSink, meta: _Meta,
-            gradients: Optional[tuple[np.ndarray[Any, Any], float]]) -> NumericsReport:
+            gradients: Optional[tuple[np.ndarray[Any, Any], float]],
+            reasons: Optional[Reasons] = None) -> NumericsReport:
     rows: list[NumericsRow] = []
     seen: dict[tuple[str, str, str, str], int] = {}
     for number, info in enumerate(registry.rows):
@@ -543,7 +575,10 @@ def _report(registry: Registry, sink: HostSink, meta: _Meta,
             fp8_saturated=sum(int(c.get("overflow", 0)) + int(c.get("saturated", 0))
                               for c in casts) if info.fp8 else None,
             fp8_flushed=sum(int(c.get("underflow", 0)) for c in casts) if info.fp8 else None,
-            shapes=info.shapes))
+            shapes=info.shapes,
+            why_not_fp8=reasons(registry.eqn(number), info.path)
+            if reasons is not None and not info.fp8 and info.primitive in MATMUL_PRIMITIVES
+            else None))
         same = (rows[-1].scope, rows[-1].primitive, rows[-1].phase, rows[-1].shapes)
         rows[-1] = dataclasses.replace(rows[-1], index=seen.get(same, 0))
         seen[same] = seen.get(same, 0) + 1
