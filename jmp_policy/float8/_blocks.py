@@ -208,10 +208,17 @@ def tile_scales(x: Any, scaling: str, dtype: Any, tensor_scale: jax.Array) -> ja
     ((2, 1), [0.5, 1.0])
     """
     x = lax.div(unfoldable(formats.widen(x)), tensor_scale)
-    *lead, n, k = jnp.shape(x)
-    tiles = jnp.reshape(x, (*lead, n // TILE, TILE, k // TILE, TILE))
-    amax = jnp.max(jnp.abs(tiles), axis=(-3, -1))
+    # Two reductions, each over 16 values of the last axis (split as the blocks are): an
+    # axis sharded in whole tiles stays sharded, where one reshape to tiles cannot.
+    amax = jnp.swapaxes(_block_max(jnp.abs(x)), -1, -2)      # [..., k / 16, n]
+    amax = jnp.swapaxes(_block_max(amax), -1, -2)            # [..., n / 16, k / 16]
     return _marked(block_scale(amax, scaling, dtype), BLOCK_SCALES)
+
+
+def _block_max(x: jax.Array) -> jax.Array:
+    """The maximum of each block of `TILE` values along ``x``'s last axis."""
+    *lead, size = jnp.shape(x)
+    return jnp.max(jnp.reshape(x, (*lead, size // TILE, TILE)), axis=-1)
 
 
 def per_block(tiles: jax.Array, rows: int) -> jax.Array:
