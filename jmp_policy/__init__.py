@@ -17,7 +17,7 @@ dtype(bfloat16)
 from jmp_policy.autocast import AutocastWarning, autocast, dot_general, float8_state
 from jmp_policy.dtypes import half_dtype
 from jmp_policy.float8 import AmaxHistory, Float8Recipe, Float8State
-from jmp_policy.inspector import NumericsReport, inspect_numerics
+from jmp_policy.inspector import NumericsReport, ResidualReport, inspect_numerics, saved_residuals
 from jmp_policy.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -77,6 +77,7 @@ __all__ = [
     "PolicyMap",
     "QuantizedArray",
     "QuantizedState",
+    "ResidualReport",
     "SplitState",
     "StaticLossScale",
     "StochasticRoundingState",
@@ -100,6 +101,7 @@ __all__ = [
     "master_params",
     "policy_scope",
     "quantize_state",
+    "saved_residuals",
     "scaled_value_and_grad",
     "select_tree",
     "set_dtype_policy",

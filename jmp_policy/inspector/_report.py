@@ -441,22 +441,26 @@ def _function_name(fn: Callable[..., Any]) -> str:
     return name if isinstance(name, str) else repr(fn)
 
 
-def _argnums(argnums: Argnums) -> Optional[tuple[int, ...]]:
-    if argnums is None:
+def _argnums(argnums: Argnums, caller: str = "inspect_numerics",
+             optional: bool = True) -> Optional[tuple[int, ...]]:
+    """``argnums`` as a tuple; ``None`` stays ``None`` where ``optional`` (the forward
+    pass only)."""
+    if argnums is None and optional:
         return None
     try:
-        numbers = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        numbers = (argnums,) if isinstance(argnums, int) else tuple(argnums)  # type: ignore[arg-type]
     except TypeError:
         numbers = ()
     if not numbers or not all(isinstance(a, int) and not isinstance(a, bool) for a in numbers):
         raise TypeError(
-            "inspect_numerics argnums must be None, an int or a non-empty tuple of ints (the "
-            f"positions of the arguments to differentiate, as in jax.grad); got {argnums!r}.")
+            f"{caller} argnums must be {'None, ' if optional else ''}an int or a non-empty "
+            "tuple of ints (the positions of the arguments to differentiate, as in "
+            f"jax.grad); got {argnums!r}.")
     return numbers
 
 
-def _differentiated(positions: Optional[tuple[int, ...]], args: tuple[Any, ...], call: Call,
-                    name: str) -> Optional[list[int]]:
+def _differentiated(positions: Optional[tuple[int, ...]], args: Sequence[Any], call: Call,
+                    name: str, caller: str = "inspect_numerics") -> Optional[list[int]]:
     """The indices in ``call.values`` of the floating arrays of the arguments at ``positions``."""
     if positions is None:
         return None
@@ -464,7 +468,7 @@ def _differentiated(positions: Optional[tuple[int, ...]], args: tuple[Any, ...],
     bad = [a for a in positions if not -n <= a < n]
     if bad:
         raise ValueError(
-            f"inspect_numerics argnums={positions!r}, but {name} was called with {n} positional "
+            f"{caller} argnums={positions!r}, but {name} was called with {n} positional "
             f"argument(s): argnums counts positional arguments from 0 (keyword arguments "
             "cannot be differentiated).")
     wrt = []
@@ -472,7 +476,7 @@ def _differentiated(positions: Optional[tuple[int, ...]], args: tuple[Any, ...],
         found = [k for k in call.dynamic_in(a) if is_floating(call.values[k])]
         if not found:
             raise ValueError(
-                f"inspect_numerics argnums includes {a}, but argument {a} of {name} has no "
+                f"{caller} argnums includes {a}, but argument {a} of {name} has no "
                 "floating-point arrays to differentiate.")
         wrt.extend(found)
     return sorted(wrt)
