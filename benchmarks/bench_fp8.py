@@ -111,15 +111,24 @@ TRAINING_RUNS: dict[str, Any] = {
     "mxfp8": "mxfp8",
     "nvfp4": "nvfp4",
     "nvfp4, round to nearest": R("nvfp4", stochastic_rounding=False),
-    "nvfp4, batched=False": R("nvfp4", batched=False),
-    # The parts of the NVFP4 training recipe, each off in turn, and all off (the recipe
-    # before them); "last block bf16" is high_precision_layers=(0, 1) of the two blocks.
-    "nvfp4, no Hadamard": R("nvfp4", hadamard=False),
-    "nvfp4, 1D weight blocks": R("nvfp4", tiled_weights=False),
+    # The parts of NVIDIA's NVFP4 training recipe, on and off. "last block bf16" keeps the
+    # second of the two blocks in bfloat16; "bf16 last 10%" trains the last 10% of the steps
+    # without float8 (the same params and optimizer state).
     "nvfp4, batched=True": R("nvfp4", batched=True),
-    "nvfp4, none of the parts": R("nvfp4", batched=True, hadamard=False, tiled_weights=False),
-    "nvfp4, last block bf16": R("nvfp4", exclude=(*R.DEFAULT_EXCLUDE, r"(^|/)Block_1(/|$)")),
+    "nvfp4, Hadamard": R("nvfp4", hadamard=True),
+    "nvfp4, 16x16 weight tiles": R("nvfp4", tiled_weights=True),
+    "nvfp4, Hadamard, 16x16 weight tiles": R("nvfp4", hadamard=True, tiled_weights=True),
+    "nvfp4, Hadamard, 16x16 weight tiles, batched=True":
+        R("nvfp4", hadamard=True, tiled_weights=True, batched=True),
+    "nvfp4, Hadamard, 16x16 weight tiles, round to nearest":
+        R("nvfp4", hadamard=True, tiled_weights=True, stochastic_rounding=False),
+    "nvfp4, Hadamard, 16x16 weight tiles, last block bf16":
+        R("nvfp4", hadamard=True, tiled_weights=True, high_precision_layers=(0, 1)),
+    "nvfp4, Hadamard, 16x16 weight tiles, bf16 last 10%":
+        (R("nvfp4", hadamard=True, tiled_weights=True), 0.1),
+    "nvfp4, last block bf16": R("nvfp4", high_precision_layers=(0, 1)),
     "nvfp4, bf16 last 10%": ("nvfp4", 0.1),
+    "mxfp8, batched=False": R("mxfp8", batched=False),
 }
 
 

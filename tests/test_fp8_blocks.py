@@ -197,10 +197,7 @@ def test_emulated_products_are_the_dequantized_products(scaling, compile):
     # K = 40: padded to whole blocks. Each product of two dequantized values is exact in
     # float32; float64 sums of them differ from float32 sums only by float32 rounding.
     x, w = rng(24, 40), rng(40, 16, seed=1)
-    # w in blocks along its contracting axis, as the reference quantizes it (NVFP4's
-    # 16 x 16 tiles: test_fp8_nvfp4.py).
-    recipe = Float8Recipe(scaling, **({"tiled_weights": False} if scaling == "nvfp4" else {}))
-    got = compile(autocast(jnp.matmul, "float32", fp8=recipe))(x, w)
+    got = compile(autocast(jnp.matmul, "float32", fp8=scaling))(x, w)
     fmt = Float8Recipe(scaling).fwd_dtype
     # The reference's dequantization in one program (eagerly, ~70 operations compile apart).
     dequantized = jax.jit(_blocks.dequantized_along, static_argnums=(1, 2, 3))
@@ -249,8 +246,7 @@ def test_native_products_take_block_formats_forward_and_backward(scaling):
     assert native_products(jax.grad(lambda x, w: jnp.sum(emulated(x, w).astype(F32)), (0, 1)),
                            x, w) == []
     assert casts_to(jax.grad(lambda x, w: jnp.sum(emulated(x, w).astype(F32)), (0, 1)), x, w) \
-        == ({value: 6} if scaling == "mxfp8" else {value: 6, E4M3: 5})  # nvfp4: e4m3 scales,
-    # the weight's 16 x 16 tiles' once for both of its products
+        == ({value: 6} if scaling == "mxfp8" else {value: 6, E4M3: 6})  # nvfp4: e4m3 scales
 
 
 @compilers

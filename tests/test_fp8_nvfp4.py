@@ -21,8 +21,8 @@ R = jmp_policy.Float8Recipe
 
 def test_nvfp4_defaults_and_settings_that_cannot_apply():
     recipe = R("nvfp4")
-    assert recipe.hadamard and recipe.tiled_weights
-    assert not R("nvfp4", hadamard=False).hadamard
+    assert not recipe.hadamard and not recipe.tiled_weights and not recipe.batched
+    assert R("nvfp4", hadamard=True).hadamard and R("nvfp4", tiled_weights=True).tiled_weights
     for scaling in ("tensorwise", "rowwise", "mxfp8"):
         assert not R(scaling).hadamard and not R(scaling).tiled_weights
         for field in ("hadamard", "tiled_weights"):
@@ -55,7 +55,7 @@ def test_rotated_weight_gradient_is_the_exact_product(hadamard):
     # only, changes the sums).
     x = _one_per_block(jax.random.key(0), 64, 32)
     g = _one_per_block(jax.random.key(1), 64, 48)
-    got = _weight_gradient(R("nvfp4", hadamard=hadamard), x, g)
+    got = _weight_gradient(R("nvfp4", hadamard=hadamard), x, g)  # tiled or not: x.T @ g
     np.testing.assert_array_equal(np.asarray(got), np.asarray(x.T @ g))
 
 
@@ -65,8 +65,8 @@ def test_rotated_weight_gradient_is_applied_and_as_accurate_as_nvfp4():
     kx, kg = jax.random.split(jax.random.key(2))
     x, g = jax.random.normal(kx, (512, 64)), jax.random.normal(kg, (512, 48))
     want = np.asarray(x.T @ g)
-    rotated = np.asarray(_weight_gradient(R("nvfp4"), x, g))
-    plain = np.asarray(_weight_gradient(R("nvfp4", hadamard=False), x, g))
+    rotated = np.asarray(_weight_gradient(R("nvfp4", hadamard=True), x, g))
+    plain = np.asarray(_weight_gradient(R("nvfp4"), x, g))
     assert not np.array_equal(rotated, plain)
     for got in (rotated, plain):
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.25
@@ -96,12 +96,12 @@ def _forward_and_backward_weights(recipe, w, contract, x_shape):
 def test_tiled_weight_is_the_same_in_forward_and_backward_products(contract, x_shape, w_shape):
     scales = jnp.exp(jax.random.normal(jax.random.key(3), w_shape[:-1] + (1,)) * 2)
     w = jax.random.normal(jax.random.key(4), w_shape) * scales  # rows of varied magnitude
-    forward, backward, exact = _forward_and_backward_weights(R("nvfp4"), w, contract, x_shape)
+    forward, backward, exact = _forward_and_backward_weights(R("nvfp4", tiled_weights=True), w,
+                                                             contract, x_shape)
     np.testing.assert_array_equal(forward, backward)
     assert np.linalg.norm(forward - exact) / np.linalg.norm(exact) < 0.2  # w, quantized
     # In blocks along one axis, the two products quantize w differently.
-    forward, backward, _ = _forward_and_backward_weights(
-        R("nvfp4", tiled_weights=False), w, contract, x_shape)
+    forward, backward, _ = _forward_and_backward_weights(R("nvfp4"), w, contract, x_shape)
     assert not np.array_equal(forward, backward)
 
 
@@ -121,10 +121,10 @@ def test_tiled_expert_weights_are_the_same_in_forward_and_backward_products():
         backward = np.asarray(grad_x).reshape(experts, n, k).transpose(0, 2, 1)
         return forward, backward
 
-    forward, backward = weights(R("nvfp4"))
+    forward, backward = weights(R("nvfp4", tiled_weights=True))
     np.testing.assert_array_equal(forward, backward)
     assert np.linalg.norm(forward - w) / np.linalg.norm(w) < 0.2
-    forward, backward = weights(R("nvfp4", tiled_weights=False))
+    forward, backward = weights(R("nvfp4"))
     assert not np.array_equal(forward, backward)
 
 
@@ -143,7 +143,7 @@ def test_training_recipe_trains_a_linen_mlp():
     params = model.init(jax.random.key(8), x)
     loss = jmp_policy.autocast(
         lambda p: jnp.mean((model.apply(p, x) - y) ** 2), "mixed_bfloat16",
-        fp8=R("nvfp4", exclude=()))
+        fp8=R("nvfp4", hadamard=True, tiled_weights=True, exclude=()))
     tx = optax.adam(1e-2)
     state = tx.init(params)
 
@@ -170,7 +170,8 @@ rng = np.random.RandomState(0)
 x0 = rng.randn(256, 64).astype(np.float32)
 x0[::16] *= 50  # an outlier token per block: the rotation's signs matter
 g0 = rng.randn(256, 32).astype(np.float32)
-f = jmp_policy.autocast(lambda x, w, g: jnp.sum(x @ w * g), "float32", fp8="nvfp4")
+f = jmp_policy.autocast(lambda x, w, g: jnp.sum(x @ w * g), "float32",
+                       fp8=jmp_policy.Float8Recipe("nvfp4", hadamard=True))
 grad = jax.jit(jax.grad(f, argnums=1))
 w0 = np.zeros((64, 32), np.float32)
 single = np.asarray(grad(x0, w0, g0))

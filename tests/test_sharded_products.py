@@ -16,7 +16,8 @@ from support.sharded_hlo import shared_run
 
 pytestmark = pytest.mark.slow  # a system test: a child interpreter on 8 devices
 
-RECIPES = ("none", "tensorwise", "rowwise", "mxfp8", "nvfp4")
+# "nvfp4 parts": NVFP4 with its Hadamard transform and 16 x 16 weight tiles.
+RECIPES = ("none", "tensorwise", "rowwise", "mxfp8", "nvfp4", "nvfp4 parts")
 MODES = ("explicit", "auto")
 SHARDINGS = ("dp", "fsdp", "tp")
 
@@ -62,9 +63,11 @@ def collectives(text):
 
 
 facts = {}
+FP8 = {"none": None, "nvfp4 parts": jmp_policy.Float8Recipe("nvfp4", hadamard=True,
+                                                              tiled_weights=True)}
 for recipe in RECIPES:
     grad = jax.grad(jmp_policy.autocast(f, "mixed_bfloat16", rules=RULES,
-                                        fp8=None if recipe == "none" else recipe), argnums=(0, 1))
+                                        fp8=FP8.get(recipe, recipe)), argnums=(0, 1))
     single = [np.asarray(g) for g in jax.jit(grad)(w0, x0)]
     for mode in MODES:
         axis = AxisType.Explicit if mode == "explicit" else AxisType.Auto
@@ -144,9 +147,11 @@ def test_data_parallel_collectives_are_bfloat16s_and_the_scales_maxima(facts):
             amax = got.pop("amax operands", 0)
             assert got == plain, (recipe, mode, got, plain)  # no seed hash: no u32 all-reduce
             # Maxima over the batch-sharded x and g: tensorwise's and NVFP4's tensor scales
-            # (NVFP4: x's and g's, and those of x and g rotated for the weight gradient),
+            # (NVFP4: x's kept from the forward, g's once per backward contraction, and
+            # with the Hadamard transform those of x and g rotated for the weight gradient),
             # rowwise's columns for the weight gradient; MXFP8's blocks lie within shards.
-            assert amax == {"tensorwise": 2, "rowwise": 2, "mxfp8": 0, "nvfp4": 4}[recipe], \
+            assert amax == {"tensorwise": 2, "rowwise": 2, "mxfp8": 0, "nvfp4": 3,
+                            "nvfp4 parts": 4}[recipe], \
                 (recipe, mode, amax)
 
 

@@ -274,7 +274,7 @@ class BlockScaled:
                  out_sharding: Optional[NamedSharding], gemm_dtype: DType) -> jax.Array:
         scaling = self.recipe.scaling
         if not c.ragged:
-            rotate = bool(self.recipe.hadamard) and c.operands == ("g", "lhs")
+            rotate = self.recipe.hadamard and c.operands == ("g", "lhs")
             return block_dot(left.x, right.x, c.dims, scaling, (left.dtype, right.dtype),
                              native=self.native, seeds=(left.seed, right.seed),
                              tensor_scales=(left.tensor_scale, right.tensor_scale),
