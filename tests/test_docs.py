@@ -271,8 +271,7 @@ def test_fp8_accuracy_tables_match_their_reports():
     """The accuracy tables typed into docs/fp8.md: each figure as its report has it."""
     text = (DOCS / "fp8.md").read_text()
     results = ROOT / "benchmarks" / "results"
-    for header, report in [("| recipe | held-out", "bench_fp8_training_delayed.json"),
-                           ("| recipe, 300 steps |", "bench_fp8_training_blocks.json")]:
+    for header, report in [("| recipe | held-out", "bench_fp8_training_delayed.json")]:
         assert f"--json benchmarks/results/{report}" in text, report  # its command is shown
         table = json.loads((results / report).read_text())["tables"][0]
         figures = {r["name"]: r["figures"] for r in table["rows"]}
@@ -287,3 +286,34 @@ def test_fp8_accuracy_tables_match_their_reports():
                 expected = 100 * (got[key] / base[key] - 1)
                 assert (pct == "" if got is base else
                         pct == f"{expected:+.1f}%"), (report, name, pct, expected)
+
+
+def test_nvfp4_ablation_table_matches_its_reports():
+    """The 2000-step table of docs/fp8.md: each figure as one of its two reports has it."""
+    text = (DOCS / "fp8.md").read_text()
+    runs = {}
+    for report in ("bench_fp8_training_nvfp4.json", "bench_fp8_training_nvfp4_defaults.json"):
+        assert f"--json benchmarks/results/{report}" in text, report  # its command is shown
+        table = json.loads((ROOT / "benchmarks" / "results" / report).read_text())["tables"][0]
+        for row in table["rows"]:
+            runs.setdefault(row["name"], row)
+    base = runs["mixed_bfloat16"]["figures"]
+
+    def pct(value, key):
+        return f"{100 * (value / base[key] - 1):+.1f}%"
+
+    rows = _table_rows(text, "| recipe (2000 steps, 5 seeds)")
+    assert len(rows) >= 12
+    for name, held, held_pct, worst, plain, train in rows:
+        run = runs[name.strip("`\"")]
+        got, samples = run["figures"], run["samples"]
+        assert held == f"{got['held_out_bpb']:.3f}", name
+        assert plain.split()[0] == f"{got['held_out_plain_bpb']:.3f}", name
+        assert train.split()[0] == f"{got['train_bpb']:.3f}", name
+        if got is base:
+            continue
+        assert held_pct == pct(got["held_out_bpb"], "held_out_bpb"), name
+        assert plain.split()[1] == f"({pct(got['held_out_plain_bpb'], 'held_out_plain_bpb')})"
+        base_seeds = runs["mixed_bfloat16"]["samples"]["held_out_bpb"]
+        per_seed = max(h / b - 1 for h, b in zip(samples["held_out_bpb"], base_seeds))
+        assert worst == f"{100 * per_seed:+.1f}%", name

@@ -17,8 +17,10 @@ applies it to a function's products. The modules, in reading order:
   ``exclude`` entries none of them matches (`unmatched_patterns`);
 * ``_quantize``: the current- and delayed-scaling quantizers, a scale per tensor,
   row or group of a ragged product;
-* ``_blocks``: the block formats, MXFP8 and NVFP4, and the scopes their scales
-  are made under (`BLOCK_SCALES`, `TENSOR_SCALES`, for the numerics inspector);
+* ``_blocks``: the block formats, MXFP8 and NVFP4 (blocks of 16 or 32 values, and
+  NVFP4's 16 x 16 weight tiles), and the scopes their scales are made under
+  (`BLOCK_SCALES`, `TENSOR_SCALES`, for the numerics inspector);
+* ``_hadamard``: NVFP4's random Hadamard transform of weight-gradient operands;
 * ``_axes`` and ``_layout``: where each axis of a product goes, and a product's
   three contractions (forward, and the two of its backward pass), dense or ragged;
 * ``_scaled`` and ``_block_product``: the schemes, how operands are quantized for a
