@@ -284,7 +284,8 @@ def train(policy: Any, *, steps: int = 300, seed: int = 0, config: Config = Conf
     split = int(0.9 * len(text))
     train_text, test_text = text[:split], text[split:]
     init, train_step, eval_loss = make_train_step(policy, config, fp8=fp8)
-    _, plain_step, plain_loss = make_train_step(policy, config)
+    _, plain_step, plain_loss = (init, train_step, eval_loss) if fp8 is None \
+        else make_train_step(policy, config)
     params, opt_state = init(seed)
     data = batches(train_text, config, seed)
     test_batches = held_out_batches(test_text, config)
@@ -317,15 +318,16 @@ def train(policy: Any, *, steps: int = 300, seed: int = 0, config: Config = Conf
         scales.append(jmp_policy.get_loss_scale(opt_state).loss_scale)
     jax.block_until_ready(params)
     elapsed = time.perf_counter() - start if start is not None else float("nan")
+    test_bits = float(np.mean([eval_loss(params, b, opt_state[1])
+                               for b in test_batches])) / math.log(2)
     return {
         "policy": str(policy),
         "run": name,
         "steps": steps,
-        "test_bits_per_byte": float(np.mean([eval_loss(params, b, opt_state[1])
-                                             for b in test_batches])) / math.log(2),
+        "test_bits_per_byte": test_bits,
         # The same weights without float8: the model the recipe trained, not its inference.
-        "test_bits_per_byte_without_fp8": float(np.mean([plain_loss(params, b)
-                                                         for b in test_batches])) / math.log(2),
+        "test_bits_per_byte_without_fp8": test_bits if fp8 is None else float(
+            np.mean([plain_loss(params, b) for b in test_batches])) / math.log(2),
         "steps_per_s": (steps - 1) / elapsed if steps > 1 else float("nan"),
         "skipped_steps": int(optax.tree_utils.tree_get(opt_state, "skipped_steps")),
         "final_loss_scale": float(scales[-1]),
