@@ -297,10 +297,13 @@ def training(report: harness.Report, a: argparse.Namespace, path: str) -> None:
         n: {c.key: [] for c in TRAINING_COLUMNS} for n in runs}
     pool = concurrent.futures.ProcessPoolExecutor(
         a.workers, mp_context=multiprocessing.get_context("spawn")) if a.workers > 1 else None
+    # Every (seed, run) at once, in order: the workers stay busy across seeds.
+    jobs = [(name, spec, seed, a.steps, a.tail, dataclasses.asdict(config))
+            for seed in a.seeds for name, spec in runs.items()]
+    results = pool.map(_train_run, jobs) if pool else map(_train_run, jobs)
     for i, seed in enumerate(a.seeds):
-        jobs = [(name, spec, seed, a.steps, a.tail, dataclasses.asdict(config))
-                for name, spec in runs.items()]
-        for name, figures in (pool.map(_train_run, jobs) if pool else map(_train_run, jobs)):
+        for _ in runs:
+            name, figures = next(results)
             for key, value in figures.items():
                 samples[name][key].append(value)
             print(f"  seed {seed} {name}: held-out {figures['held_out_bpb']:.4f}", flush=True)
