@@ -129,6 +129,7 @@ TRAINING_RUNS: dict[str, Any] = {
     "nvfp4, last block bf16": R("nvfp4", high_precision_layers=(0, 1)),
     "nvfp4, bf16 last 10%": ("nvfp4", 0.1),
     "mxfp8, batched=False": R("mxfp8", batched=False),
+    "nvfp4, Four Over Six": R("nvfp4", four_over_six=True),
 }
 
 

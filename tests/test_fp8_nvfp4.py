@@ -22,6 +22,7 @@ R = jmp_policy.Float8Recipe
 def test_nvfp4_defaults_and_settings_that_cannot_apply():
     recipe = R("nvfp4")
     assert not recipe.hadamard and not recipe.tiled_weights and not recipe.batched
+    assert not recipe.four_over_six and R("nvfp4", four_over_six=True).four_over_six
     assert R("nvfp4", hadamard=True).hadamard and R("nvfp4", tiled_weights=True).tiled_weights
     for scaling in ("tensorwise", "rowwise", "mxfp8"):
         assert not R(scaling).hadamard and not R(scaling).tiled_weights
@@ -197,3 +198,33 @@ def test_rotation_signs_do_not_depend_on_the_sharding(tmp_path_factory):
     script.write_text(_SHARDED_SCRIPT)
     facts = shared_run(tmp_path_factory, "nvfp4_sharded", [script])
     assert facts["explicit"] < 1e-5 and facts["auto"] < 1e-5, facts
+
+
+def test_four_over_six_takes_the_better_scale_of_each_block():
+    # x = I reads the quantized w out of the forward product: each block of 16 values
+    # along w's contracting axis, per column, has no more squared error than with its
+    # maximum mapped onto 6, and some have less (a value in the top third of a block).
+    w = jax.random.normal(jax.random.key(9), (64, 32))
+    x = jnp.eye(64)
+
+    def blocks_error(recipe):
+        f = jmp_policy.autocast(lambda x, w: x @ w, "float32", fp8=recipe)
+        q = np.asarray(jax.jit(f)(x, w))
+        return ((q - np.asarray(w)) ** 2).reshape(4, 16, 32).sum(axis=1)
+
+    six, adaptive = blocks_error(R("nvfp4")), blocks_error(R("nvfp4", four_over_six=True))
+    assert (adaptive <= six * (1 + 1e-6)).all()
+    assert (adaptive < 0.9 * six).mean() > 0.2
+    with pytest.raises(ValueError, match="four_over_six applies to scaling='nvfp4'"):
+        R("mxfp8", four_over_six=True)
+
+
+def test_four_over_six_leaves_stochastically_rounded_gradients_unbiased():
+    # The incoming gradient keeps its scale to 6 and its stochastic rounding: the weight
+    # gradient of a constant-ish cotangent stays unbiased (as without four_over_six).
+    x, w = jnp.ones((2048, 32)), jax.random.normal(jax.random.key(10), (32, 16))
+    ct = jnp.full((2048, 16), 2.5).at[::16].set(6.0)
+    f = jmp_policy.autocast(jnp.matmul, "float32", fp8=R("nvfp4", four_over_six=True))
+    _, grad_w = jax.jit(lambda x, w, ct: jax.vjp(f, x, w)[1](ct))(x, w, ct)
+    want = x.T @ ct
+    assert np.linalg.norm(grad_w - want) / np.linalg.norm(want) < 0.02

@@ -124,14 +124,16 @@ def block_dot(a: Any, b: Any, dims: Any, scaling: str, formats: tuple[DType, DTy
               native: bool, seeds: tuple[Optional[jax.Array], Optional[jax.Array]] = (None, None),
               tensor_scales: tuple[Optional[jax.Array], Optional[jax.Array]] = (None, None),
               tiles: Optional[Tiles] = None, rotate: bool = False,
-              out_sharding: Optional[NamedSharding] = None,
+              four_over_six: bool = False, out_sharding: Optional[NamedSharding] = None,
               gemm_dtype: DType = F32) -> jax.Array:
     """``dot_general(a, b, dims)`` in float32, both operands block-quantized along their
     contracting axes in ``formats`` (rounded stochastically where ``seeds`` has a seed;
     NVFP4's per-tensor scales computed unless given in ``tensor_scales``; ``b``'s block
     scales those of its `Tiles` if given), the result sharded as ``out_sharding`` if given
     (explicit mesh axes). With ``rotate``, both operands' blocks are rotated first
-    (``_hadamard``): the same product, quantized after the rotation. The product itself
+    (``_hadamard``): the same product, quantized after the rotation. With
+    ``four_over_six``, NVFP4 operands rounded to nearest take the better of two block
+    scales (``_blocks.four_over_six_scale``). The product itself
     gives ``gemm_dtype`` (accumulated in float32), which NVFP4's tensor scales then widen."""
     if tiles is not None:
         dims = _sorted_contraction(dims)
@@ -145,7 +147,7 @@ def block_dot(a: Any, b: Any, dims: Any, scaling: str, formats: tuple[DType, DTy
     scales = (None, None if tiles is None
               else _tile_block_scales(tiles, axes.rhs, jnp.shape(b)))
     qa, qb = (_blocks.quantize_blocks(x, scaling, fmt, seed=seed, tensor_scale=scale,
-                                      scales=given)
+                                      scales=given, four_over_six=four_over_six)
               for x, fmt, seed, scale, given in zip(arranged, formats, seeds, tensor_scales,
                                                     scales))
     batch = len(axes.lhs.batch)
@@ -248,6 +250,7 @@ class BlockScaled:
         if tiled:  # each expert's matrix in tiles: the same values in both products
             return _blocks.dequantized_tiles(x, scaling, dtype, segments)
         return _blocks.dequantized_along(x, c.axes[position][0], scaling, dtype, seed=seed,
+                                         four_over_six=self.recipe.four_over_six,
                                          segments=segments)
 
     def keep(self, x: Any, prepared: Any, dtype: DType, c: Contraction, position: int,
@@ -279,6 +282,7 @@ class BlockScaled:
                              native=self.native, seeds=(left.seed, right.seed),
                              tensor_scales=(left.tensor_scale, right.tensor_scale),
                              tiles=right.tiles, rotate=rotate,
+                             four_over_six=self.recipe.four_over_six,
                              out_sharding=out_sharding, gemm_dtype=gemm_dtype)
         out = c.dot(left[0], right[0], rest, precision=_HIGHEST, preferred_element_type=F32)
         if scaling != "nvfp4":

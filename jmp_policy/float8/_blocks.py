@@ -147,7 +147,7 @@ def to_format(y: jax.Array, dtype: Any, seed: Optional[jax.Array] = None) -> jax
 
 def quantize_blocks(x: Any, scaling: str, dtype: Any, *, seed: Optional[jax.Array] = None,
                     tensor_scale: Optional[jax.Array] = None,
-                    scales: Optional[jax.Array] = None) -> Blocks:
+                    scales: Optional[jax.Array] = None, four_over_six: bool = False) -> Blocks:
     """``x`` quantized in blocks of ``BLOCK_SIZES[scaling]`` along its last axis (a multiple
     of that size), values in ``dtype``, rounded stochastically if a ``seed`` is given.
 
@@ -158,7 +158,9 @@ def quantize_blocks(x: Any, scaling: str, dtype: Any, *, seed: Optional[jax.Arra
     and divides by). NVFP4's per-tensor scale is `nv_tensor_scale` unless
     ``tensor_scale`` (broadcastable against ``x``: one per expert's rows, say)
     is given; the block scales are computed unless given in ``scales`` (float32, one
-    per block: a weight's 16 x 16 tiles, `tile_scales`).
+    per block: a weight's 16 x 16 tiles, `tile_scales`). With ``four_over_six`` (NVFP4,
+    rounded to nearest, scales computed), each block takes the better of two scales
+    (`four_over_six_scale`).
 
     >>> import jax.numpy as jnp
     >>> x = jnp.array([[0.5, -1.0, 2.9, 6.0] + [0.0] * 12, [0.25] * 16])
@@ -181,9 +183,13 @@ def quantize_blocks(x: Any, scaling: str, dtype: Any, *, seed: Optional[jax.Arra
     else:
         tensor_scale = jnp.ones((), _F32)
     blocks = jnp.reshape(x, (*jnp.shape(x)[:-1], jnp.shape(x)[-1] // block, block))
-    scale = (_marked(block_scale(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), scaling,
-                                 dtype), BLOCK_SCALES)
-             if scales is None else scales[..., None])
+    if scales is not None:
+        scale = scales[..., None]
+    elif four_over_six and seed is None and scaling == "nvfp4":
+        scale = _marked(four_over_six_scale(blocks, dtype), BLOCK_SCALES)
+    else:
+        scale = _marked(block_scale(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), scaling,
+                                    dtype), BLOCK_SCALES)
     q = to_format(lax.div(blocks, _nonzero(scale)), dtype, seed)
     return Blocks(jnp.reshape(q, jnp.shape(x)), scale[..., 0], tensor_scale)
 
@@ -250,6 +256,36 @@ def dequantized_tiles(x: Any, scaling: str, dtype: Any,
     return q.dequantized()[..., :a, :b], per_segment
 
 
+FOUR = 4.0
+"""The other largest value a Four Over Six block scale maps a block's maximum onto."""
+
+
+def four_over_six_scale(blocks: jax.Array, dtype: Any) -> jax.Array:
+    """The NVFP4 block scales (``[..., blocks, 1]``) of blocks ``[..., blocks, 16]``
+    (already over their tensor scale) rounded to nearest, each the better of two.
+
+    Four Over Six (Cook et al., arXiv 2512.02010): e2m1 has no value between 4 and 6,
+    so a block whose maximum maps onto 6 rounds its values in the top third of its range
+    coarsely. Each block is quantized both with its maximum mapped onto 6 and onto 4,
+    and takes the scale of smaller squared error (the scale to 6 where they tie, and
+    where the errors are not finite). Rounded to nearest only: choosing between two
+    stochastic roundings by their error would bias them.
+
+    >>> import jax.numpy as jnp
+    >>> four_over_six_scale(jnp.array([[[6.0, 5.0] + [0.0] * 14]]), jnp.float4_e2m1fn)
+    Array([[[1.5]]], dtype=float32)
+    """
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    scales, errors = [], []
+    for largest in (_max(dtype), FOUR):
+        scale = formats.e4m3_scale(amax, largest)
+        q = to_format(lax.div(blocks, _nonzero(scale)), dtype)
+        scales.append(scale)
+        errors.append(jnp.sum(jnp.square(formats.widen(q) * scale - blocks), axis=-1,
+                              keepdims=True))
+    return jnp.where(errors[1] < errors[0], scales[1], scales[0])
+
+
 Segments = tuple[jax.Array, int]
 """``(ids, count)``: the segment (expert) of each index along an array's first axis, and
 how many there are; ids out of range are in no segment."""
@@ -280,7 +316,8 @@ def _nonzero(scale: jax.Array) -> jax.Array:
 
 def dequantized_along(x: Any, axis: int, scaling: str, dtype: Any, *,
                       seed: Optional[jax.Array] = None,
-                      segments: Optional[Segments] = None) -> tuple[jax.Array, jax.Array]:
+                      segments: Optional[Segments] = None,
+                      four_over_six: bool = False) -> tuple[jax.Array, jax.Array]:
     """``x`` block-quantized along ``axis`` (padded with zeros to whole blocks) and
     dequantized, without its tensor scale: returns (float32 values of ``x``'s shape,
     tensor scale). For the emulated products, which take float32 operands. With
@@ -293,7 +330,8 @@ def dequantized_along(x: Any, axis: int, scaling: str, dtype: Any, *,
     x = jnp.moveaxis(x, axis, -1)
     size, block = jnp.shape(x)[-1], BLOCK_SIZES[scaling]
     padded = pad_last(x, -size % block)
-    q = quantize_blocks(padded, scaling, dtype, seed=seed, tensor_scale=tensor_scale)
+    q = quantize_blocks(padded, scaling, dtype, seed=seed, tensor_scale=tensor_scale,
+                        four_over_six=four_over_six)
     scale = per_segment if tensor_scale is not None else q.tensor_scale
     return jnp.moveaxis(q.dequantized()[..., :size], -1, axis), scale
 

@@ -139,6 +139,16 @@ class Float8Recipe:
         backward one giving the left operand's gradient take the same quantized
         weight. Off by default: a scale per 256 values rather than 16 cost
         accuracy in training on the models measured (docs/fp8.md).
+      four_over_six: for ``"nvfp4"``, whether each block of an operand rounded to
+        nearest (forward operands, and the saved operands of the backward products)
+        takes the better of two scales, its maximum mapped onto 6 or onto 4, by
+        squared error (Four Over Six, arXiv 2512.02010): e2m1 has no value between
+        4 and 6, so values in the top third of a block scaled to 6 round coarsely.
+        Gradients rounded stochastically keep the scale to 6 (choosing between two
+        random roundings by their error would bias them), and so do a weight's
+        16 x 16 tiles and a mixture of experts' weight-gradient operands. Off by
+        default: it trained the example LM closer to bfloat16, by less than the
+        seeds vary (docs/fp8.md).
       native: for a block scaling, whether its products run as the block-scaled
         GEMM that the backend runs natively (``jax.nn.scaled_matmul``, cuDNN
         on Blackwell GPUs) or as its emulation (dequantize, multiply in
@@ -201,6 +211,7 @@ class Float8Recipe:
     stochastic_rounding: Optional[bool] = None  # None: on for "nvfp4" only
     hadamard: bool = False
     tiled_weights: bool = False
+    four_over_six: bool = False
     native: Optional[bool] = None
     amax_history_length: int = 1024
     amax_reduction: AmaxReduction = "max"
@@ -227,7 +238,7 @@ class Float8Recipe:
                 f"dimension below it stay in the compute dtype), got {self.min_size!r}.")
         object.__setattr__(self, "exclude", _patterns(self.exclude))
         for field in ("batched", "power_of_two_scales", "float8_weight_gradient",
-                      "stochastic_rounding", "hadamard", "tiled_weights"):
+                      "stochastic_rounding", "hadamard", "tiled_weights", "four_over_six"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(
                     f"Float8Recipe {field} must be True or False, got {getattr(self, field)!r}.")
@@ -235,7 +246,7 @@ class Float8Recipe:
             raise TypeError(
                 f"Float8Recipe native must be None, True or False, got {self.native!r}.")
         self._check_delayed_fields()
-        for field in ("hadamard", "tiled_weights"):
+        for field in ("hadamard", "tiled_weights", "four_over_six"):
             if getattr(self, field) and self.scaling != "nvfp4":
                 raise ValueError(
                     f"Float8Recipe {field} applies to scaling='nvfp4' (16-value blocks of "
