@@ -292,7 +292,8 @@ def test_nvfp4_ablation_table_matches_its_reports():
     """The 2000-step table of docs/fp8.md: each figure as one of its two reports has it."""
     text = (DOCS / "fp8.md").read_text()
     runs = {}
-    for report in ("bench_fp8_training_nvfp4.json", "bench_fp8_training_nvfp4_defaults.json"):
+    for report in ("bench_fp8_training_nvfp4.json", "bench_fp8_training_nvfp4_defaults.json",
+                   "bench_fp8_training_nvfp4_four_over_six.json"):
         assert f"--json benchmarks/results/{report}" in text, report  # its command is shown
         table = json.loads((ROOT / "benchmarks" / "results" / report).read_text())["tables"][0]
         for row in table["rows"]:
