@@ -186,6 +186,8 @@ def quantize_blocks(x: Any, scaling: str, dtype: Any, *, seed: Optional[jax.Arra
     if scales is not None:
         scale = scales[..., None]
     elif four_over_six and seed is None and scaling == "nvfp4":
+        # Only the scale is chosen; the values are rounded once more with it below, so that
+        # the product's operand is one conversion, as the numerics inspector reads it.
         scale = _marked(four_over_six_scale(blocks, dtype), BLOCK_SCALES)
     else:
         scale = _marked(block_scale(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), scaling,
