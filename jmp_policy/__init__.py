@@ -17,6 +17,7 @@ dtype(bfloat16)
 from jmp_policy.autocast import AutocastWarning, autocast, dot_general, float8_state
 from jmp_policy.dtypes import half_dtype
 from jmp_policy.float8 import AmaxHistory, Float8Recipe, Float8State
+from jmp_policy.residuals import Float8Residuals
 from jmp_policy.inspector import NumericsReport, ResidualReport, inspect_numerics, saved_residuals
 from jmp_policy.loss_scale import (
     DynamicLossScale,
@@ -67,6 +68,7 @@ __all__ = [
     "CastState",
     "DynamicLossScale",
     "Float8Recipe",
+    "Float8Residuals",
     "Float8State",
     "KahanState",
     "LossScale",

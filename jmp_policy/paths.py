@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import jax
 
-__all__ = ["display_scope", "is_backward", "join_scope", "path_str", "scope_names"]
+__all__ = ["display_scope", "is_backward", "join_scope", "path_str", "scope_names",
+           "scope_patterns", "search_scopes", "unmatched_patterns"]
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -98,3 +99,51 @@ def display_scope(path: str) -> str:
             names.append(name)
         wrapped_before = wrapped
     return "/".join(names)
+
+
+# --- Scope patterns --------------------------------------------------------------------------
+
+def scope_patterns(value: Any, owner: str) -> tuple[str, ...]:
+    """``value`` (a regular expression or a sequence of them) read as ``owner``'s scope
+    patterns (``"Float8Recipe exclude"``), each checked to compile.
+
+    >>> scope_patterns("head", "Float8Recipe exclude")
+    ('head',)
+    """
+    patterns = (value,) if isinstance(value, str) else value
+    try:
+        patterns = tuple(patterns)
+    except TypeError:
+        raise TypeError(
+            f"{owner} must be a regular expression or a sequence of them, got {value!r}.") \
+            from None
+    for p in patterns:
+        if not isinstance(p, str):
+            raise TypeError(f"{owner} entries must be strings, got {p!r}.")
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise ValueError(f"{owner} entry {p!r} is not a valid regular expression: {e}.") \
+                from None
+    return patterns
+
+
+def search_scopes(patterns: Sequence[str], scope: str) -> bool:
+    """True when a pattern is found (``re.search``) in the ``/``-joined scope names of the
+    name-stack path ``scope``, JAX's transformation wrappers removed.
+
+    >>> search_scopes(["logits$"], "transpose(jvp(TransformerLM))/logits")
+    True
+    """
+    path = "/".join(scope_names(scope))
+    return any(re.search(p, path) for p in patterns)  # re caches compiled patterns
+
+
+def unmatched_patterns(patterns: Sequence[str], scopes: Iterable[str]) -> list[str]:
+    """The patterns found in none of ``scopes``, searched as `search_scopes` searches.
+
+    >>> unmatched_patterns(["router", "experts"], ["moe/router"])
+    ['experts']
+    """
+    paths = {"/".join(scope_names(s)) for s in scopes}
+    return [p for p in patterns if not any(re.search(p, path) for path in paths)]

@@ -41,12 +41,15 @@ from jmp_policy.autocast.interpreter import matmul
 from jmp_policy.autocast._outputs import PRODUCT, output_kinds
 from jmp_policy.autocast.rules import AutocastWarning, Rules, parse_rules
 from jmp_policy.jaxprs import scoped_eqns
+from jmp_policy.paths import unmatched_patterns
+from jmp_policy.residuals import Float8Residuals, ResidualsLike, as_residuals, in_float8
 from jmp_policy.policy import Policy, PolicyLike, as_policy
 
 
 def autocast(fn: Callable[..., Any], policy: PolicyLike = None, *,
              rules: Optional[Mapping[str, Any]] = None,
-             fp8: Float8Like = None) -> Callable[..., Any]:
+             fp8: Float8Like = None,
+             residuals: ResidualsLike = None) -> Callable[..., Any]:
     """Returns ``fn`` evaluated with per-operation mixed precision, as a JAX transformation.
 
     Matrix work runs in the policy's compute dtype with float32 accumulation,
@@ -91,6 +94,13 @@ def autocast(fn: Callable[..., Any], policy: PolicyLike = None, *,
         ``high_precision_layers`` keeps or smaller than its ``min_size`` stay in
         the compute dtype; a function with no eligible product warns, and so do
         the recipe's rules that match nothing (``UnmatchedRuleWarning``).
+      residuals: ``None`` (the backward pass keeps what it needs in the dtypes it
+        was computed in), ``"float8"`` or a `jmp_policy.Float8Residuals`: the
+        activations that the backward pass of ``fn`` keeps are stored in float8,
+        a power-of-two scale per 32 values, except statistics, max-subtracted
+        logits and excluded scopes (see `jmp_policy.Float8Residuals`). With or
+        without ``fp8``; inside ``lax.scan`` (layers scanned), each iteration's are
+        stored as it runs.
 
     >>> import jax, jax.numpy as jnp, jmp_policy
     >>> def layer(w, x):
@@ -103,7 +113,7 @@ def autocast(fn: Callable[..., Any], policy: PolicyLike = None, *,
     if not callable(fn):
         raise TypeError(f"autocast expects a callable, got {fn!r}.")
     settings = _Settings(as_policy(policy), parse_rules(rules, higher_order_names()),
-                         as_recipe(fp8), _name(fn))
+                         as_recipe(fp8), _name(fn), as_residuals(residuals))
     return _transformed(fn, settings)
 
 
@@ -154,6 +164,7 @@ class _Settings:
     rules: Rules
     recipe: Optional[Float8Recipe]
     name: str
+    residuals: Optional[Float8Residuals] = None
     programs: _eager.Programs = dataclasses.field(
         default_factory=_eager.Programs, compare=False, repr=False)
 
@@ -165,7 +176,7 @@ class _Settings:
     def is_identity(self) -> bool:
         """True when autocast changes nothing: float32 (or wider) compute and output, no float8."""
         compute, output = self.policy.compute_dtype, self.policy.output_dtype
-        return (self.recipe is None and compute is not None
+        return (self.recipe is None and self.residuals is None and compute is not None
                 and represents(np.dtype(compute), F32)
                 and (output is None or represents(np.dtype(output), F32)))
 
@@ -282,8 +293,8 @@ def _interpret(closed: ClosedJaxpr, values: Sequence[Any], settings: _Settings,
     if settings.recipe is not None:
         layers = kept_layers(settings.recipe, closed, rules, settings.name)
         rule = float8_matmul(settings.recipe, layers)
-    ctx = Context(compute, rules, rule, float8_slots=slots)
-    outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, values)
+    ctx = Context(compute, rules, rule, float8_slots=slots, residuals=settings.residuals)
+    outs = _run(ctx, closed, values, settings.residuals)
     _warn_unmatched(settings, ctx.unmatched_scopes())
     if settings.recipe is not None and not ctx.tallied(FLOAT8_PRODUCTS):
         warnings.warn(
@@ -293,6 +304,30 @@ def _interpret(closed: ClosedJaxpr, values: Sequence[Any], settings: _Settings,
             "min_size or in a scope it excludes, such as a model's output layer, do too).",
             AutocastWarning, stacklevel=3)
     return outs
+
+
+def _run(ctx: Context, closed: ClosedJaxpr, values: Sequence[Any],
+         residuals: Optional[Float8Residuals]) -> list[Any]:
+    """``closed`` evaluated under ``ctx``, its residuals kept as ``residuals`` says."""
+    if residuals is None:
+        return eval_jaxpr(ctx, closed.jaxpr, closed.consts, values)
+    _warn_unmatched_residuals(residuals, closed)
+    n = len(closed.consts)
+
+    def run(*args: Any) -> list[Any]:  # the consts are arguments: they may be traced
+        return eval_jaxpr(ctx, closed.jaxpr, args[:n], args[n:])
+
+    return in_float8(run, residuals)(*closed.consts, *values)
+
+
+def _warn_unmatched_residuals(residuals: Float8Residuals, closed: ClosedJaxpr) -> None:
+    patterns = residuals.exclude
+    assert isinstance(patterns, tuple)
+    for pattern in unmatched_patterns(patterns, [path for path, _ in scoped_eqns(closed)]):
+        warnings.warn(
+            f"Float8Residuals exclude entry {pattern!r} matched no operation of the function "
+            "(none is inside a jax.named_scope or module path it is found in).",
+            UnmatchedRuleWarning, stacklevel=5)
 
 
 def _warn_unmatched(settings: _Settings, unmatched: list[tuple[str, list[str]]]) -> None:

@@ -29,8 +29,8 @@ from jmp_policy.autocast.interpreter import Context, MatmulRule, matmul
 from jmp_policy.autocast.rules import Rules
 from jmp_policy.float8 import (
     NO_LAYERS, AmaxHistory, Float8Recipe, KeptLayers, eligible, operand_dtypes,
-    products, quantized_product, unmatched_patterns)
-from jmp_policy.paths import display_scope
+    products, quantized_product)
+from jmp_policy.paths import display_scope, unmatched_patterns
 from jmp_policy.policy import UnmatchedRuleWarning
 
 

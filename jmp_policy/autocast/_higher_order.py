@@ -32,6 +32,7 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, Primitive, jaxpr_as_fun
 from jmp_policy.dtypes import is_floating_dtype
 from jmp_policy.autocast.interpreter import Context, Params, autocast_jaxpr, eval_jaxpr, register
 from jmp_policy.jaxprs import bind
+from jmp_policy.residuals import in_float8
 from jmp_policy.float8 import AmaxHistory, Refused, Slots, stacked
 from jmp_policy.dtypes import convert, dtype_of, join, struct
 
@@ -308,6 +309,10 @@ def _plain_scan(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
     consts, xs = invals[:nc], invals[nc + nk:]
     carry = [ctx.cast(x, dt) for x, dt in zip(invals[nc:nc + nk], carry_d)]
     body_fn = jaxpr_as_fun(body)
+    if ctx.residuals is not None:
+        # Stored as each iteration runs, not once the loop has stacked them all; the
+        # carry is stacked by the loop, so it is an activation too.
+        body_fn = in_float8(body_fn, ctx.residuals, activations=range(nc, nc + nk))
 
     # Re-entered through the public API (the primitive's parameters differ between
     # JAX versions); the body is already autocast, so this only traces it again.

@@ -47,6 +47,7 @@ from jmp_policy.dtypes import (
     F32, DType, convert, dtype_of, is_floating, join, represents, retyped, widest)
 from jmp_policy.autocast.rules import FLOAT32_PRIMITIVES, AutocastWarning, Rules, rule_of
 from jmp_policy.jaxprs import bind, scoped_eqns
+from jmp_policy.residuals import Float8Residuals
 from jmp_policy.paths import join_scope
 from jmp_policy.policy import Policy
 
@@ -156,6 +157,8 @@ class Context:
         jaxpr finishes it there.
       float8_slots: where delayed-scaling float8 products take their amax
         histories (``_delayed.Slots``); ``None`` without delayed scaling.
+      residuals: how the residuals of a loop body are kept
+        (``jmp_policy.Float8Residuals``); ``None``: as computed.
     """
 
     compute: DType
@@ -165,6 +168,7 @@ class Context:
     as_traced: bool = False
     observe_jaxpr: Optional[Callable[[], ContextManager[None]]] = None
     float8_slots: Any = None
+    residuals: Optional[Float8Residuals] = None
     scope: str = ""
     pinned: bool = False
     # Ids of the casts of the evaluated jaxpr that round a float32 result back to the

@@ -13,8 +13,7 @@ applies it to a function's products. The modules, in reading order:
   formats (`operand_dtypes`, `native_block_products`);
 * ``_layers``: stacks of numbered layers among a function's scopes, and the layers
   ``Float8Recipe.high_precision_layers`` keeps in the compute dtype (`KeptLayers`,
-  `find_stacks`); a jaxpr's products and where they are (`products`), and the
-  ``exclude`` entries none of them matches (`unmatched_patterns`);
+  `find_stacks`); a jaxpr's products and where they are (`products`);
 * ``_quantize``: the current- and delayed-scaling quantizers, a scale per tensor,
   row or group of a ragged product;
 * ``_blocks``: the block formats, MXFP8 and NVFP4 (blocks of 16 or 32 values, and
@@ -54,7 +53,6 @@ from jmp_policy.float8._layers import (
     Stack,
     find_stacks,
     products,
-    unmatched_patterns,
 )
 from jmp_policy.float8._product import ForwardModeError, quantized_product
 from jmp_policy.float8._recipe import (
@@ -93,6 +91,5 @@ __all__ = [
     "products",
     "quantized_product",
     "stacked",
-    "unmatched_patterns",
     "why_not_float8",
 ]

@@ -7,8 +7,7 @@ only by a trailing number: linen's ``Block_0, Block_1, ...``, NNX's
 products and keeps the first and last layers of each, as
 ``Float8Recipe.high_precision_layers`` asks: its `KeptLayers.why` says why a
 product's scope stays in the compute dtype. `find_stacks` says which stacks
-there are, `products` where a jaxpr's products are, `unmatched_patterns`
-which ``exclude`` entries match none of them.
+there are, `products` where a jaxpr's products are.
 
 >>> scopes = [f"LM/Block_{i}/Dense_{j}" for i in range(4) for j in range(2)]
 >>> kept = KeptLayers.of((1, 1), scopes)
@@ -29,7 +28,7 @@ from typing import Iterable, Iterator, NamedTuple, Optional, Sequence, Union
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from jmp_policy.jaxprs import sub_jaxprs
-from jmp_policy.paths import display_scope, join_scope, scope_names
+from jmp_policy.paths import display_scope, join_scope
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
 _PRODUCTS = frozenset({"dot_general", "ragged_dot_general"})
@@ -187,14 +186,3 @@ def products(jaxpr: Union[Jaxpr, ClosedJaxpr], scope: str = "",
         inner = path if loop is None and eqn.primitive.name in _LOOPS else loop
         for sub in sub_jaxprs(eqn):
             yield from products(sub, path, inner)
-
-
-def unmatched_patterns(patterns: Sequence[str], scopes: Iterable[str]) -> list[str]:
-    """The ``exclude`` patterns of ``patterns`` found in none of ``scopes``, searched as
-    ``Float8Recipe.excludes`` searches them (in the ``/``-joined scope names).
-
-    >>> unmatched_patterns(["router", "experts"], ["moe/router"])
-    ['experts']
-    """
-    paths = {"/".join(scope_names(s)) for s in scopes}
-    return [p for p in patterns if not any(re.search(p, path) for path in paths)]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any, ClassVar, Literal, Optional, Sequence, Union
 
 import jax
@@ -36,8 +35,7 @@ from jmp_policy.dtypes import is_floating_dtype
 from jmp_policy.float8 import _blocks
 from jmp_policy.float8._axes import free_axes
 from jmp_policy.float8._layers import KeptLayers
-from jmp_policy.paths import is_backward
-from jmp_policy.paths import scope_names
+from jmp_policy.paths import is_backward, scope_patterns, search_scopes
 
 Scaling = Literal["tensorwise", "rowwise", "delayed", "mxfp8", "nvfp4"]
 SCALINGS: tuple[Scaling, ...] = ("tensorwise", "rowwise", "delayed", "mxfp8", "nvfp4")
@@ -236,7 +234,7 @@ class Float8Recipe:
             raise ValueError(
                 f"Float8Recipe min_size must be a non-negative int (products with a "
                 f"dimension below it stay in the compute dtype), got {self.min_size!r}.")
-        object.__setattr__(self, "exclude", _patterns(self.exclude))
+        object.__setattr__(self, "exclude", scope_patterns(self.exclude, "Float8Recipe exclude"))
         for field in ("batched", "power_of_two_scales", "float8_weight_gradient",
                       "stochastic_rounding", "hadamard", "tiled_weights", "four_over_six"):
             if not isinstance(getattr(self, field), bool):
@@ -300,8 +298,7 @@ class Float8Recipe:
 
     def excludes(self, scope: str) -> bool:
         """True when an `exclude` pattern is found in the name-scope path ``scope``."""
-        path = "/".join(scope_names(scope))
-        return any(_compiled(p).search(path) for p in self.exclude)
+        return search_scopes(self.exclude, scope)
 
 
 def _operand_dtype(value: Any, field: str, scaling: str) -> np.dtype[Any]:
@@ -345,30 +342,6 @@ def _layer_counts(value: Any) -> tuple[int, int]:
             "Float8Recipe high_precision_layers must be two non-negative ints (first, last), "
             f"such as (0, 2) or (0, 0) for none; got {value!r}.")
     return counts[0], counts[1]
-
-
-def _patterns(exclude: Any) -> tuple[str, ...]:
-    patterns = (exclude,) if isinstance(exclude, str) else exclude
-    try:
-        patterns = tuple(patterns)
-    except TypeError:
-        raise TypeError(
-            "Float8Recipe exclude must be a regular expression or a sequence of them, "
-            f"got {exclude!r}.") from None
-    for p in patterns:
-        if not isinstance(p, str):
-            raise TypeError(f"Float8Recipe exclude entries must be strings, got {p!r}.")
-        try:
-            _compiled(p)
-        except re.error as e:
-            raise ValueError(
-                f"Float8Recipe exclude entry {p!r} is not a valid regular expression: {e}.") \
-                from None
-    return patterns
-
-
-def _compiled(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern)  # re caches compiled patterns
 
 
 Float8Like = Union[None, str, Float8Recipe]

@@ -30,17 +30,13 @@ from typing import Any, Callable, Hashable, Iterator, Literal, Optional, Sequenc
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal as JaxprLiteral
+from jax.extend.core import ClosedJaxpr
 
-from jmp_policy import formats
 from jmp_policy.autocast import modules as _modules
 from jmp_policy.autocast.modules import Call
 from jmp_policy.inspector._report import Argnums, _argnums, _differentiated, _function_name
-from jmp_policy.jaxprs import sub_jaxprs
-from jmp_policy.paths import display_scope, join_scope, path_str
-
-Kind = Literal["activation", "argument", "constant"]
-
+from jmp_policy.residuals._origins import Kind, Origin, origins
+from jmp_policy.paths import display_scope, path_str
 
 # --- Rows and reports ----------------------------------------------------------------------
 
@@ -250,137 +246,17 @@ def _kept(call: Call, wrt: list[int]) -> Callable[..., list[Any]]:
     return kept
 
 
-# --- Where each residual comes from --------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class _Frame:
-    """A jaxpr being read: the top-level one, or the body of an equation of its parent.
-
-    ``stacking`` is set in the body of a ``scan`` whose stacked outputs are being traced
-    back, ``loop`` is the scope of the outermost such ``scan``.
-    """
-
-    jaxpr: Jaxpr
-    path: str = ""
-    parent: Optional[_Frame] = None
-    eqn: Optional[JaxprEqn] = None  # the parent's equation whose body this is
-    key: tuple[Hashable, ...] = ()  # which call of a shared body (equations, outermost first)
-    order: tuple[int, ...] = ()  # the equation's place in the program
-    stacking: bool = False
-    loop: Optional[str] = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Origin:
-    """What a residual is: an equation's result, an argument, or a constant."""
-
-    kind: Kind
-    key: Hashable  # one row per key: the same array kept twice is one
-    eqn: Optional[JaxprEqn] = None
-    path: str = ""
-    order: tuple[int, ...] = ()
-    argument: int = -1  # the index among the traced values
-    loop: Optional[str] = None
-
-
-class _Producers:
-    """``var -> (index, equation)`` for the equations of each jaxpr met, made once per jaxpr."""
-
-    def __init__(self) -> None:
-        self._made: dict[int, tuple[Jaxpr, dict[Any, tuple[int, JaxprEqn]]]] = {}
-
-    def of(self, jaxpr: Jaxpr) -> dict[Any, tuple[int, JaxprEqn]]:
-        made = self._made.get(id(jaxpr))
-        if made is None:
-            made = self._made[id(jaxpr)] = (jaxpr, {
-                v: (i, eqn) for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars})
-        return made[1]
-
-
-def _origin(atom: Any, frame: _Frame, producers: _Producers) -> _Origin:
-    """Where the value ``atom`` of ``frame``'s jaxpr was computed, through calls and loops."""
-    if isinstance(atom, JaxprLiteral):
-        return _Origin("constant", ("literal", id(atom)))
-    jaxpr = frame.jaxpr
-    if atom in jaxpr.constvars:
-        return _Origin("constant", ("constant", frame.key, id(atom)))
-    if atom in jaxpr.invars:
-        return _from_caller(jaxpr.invars.index(atom), frame, producers)
-    index, eqn = producers.of(jaxpr)[atom]
-    k = eqn.outvars.index(atom)
-    path = join_scope(frame.path, str(eqn.source_info.name_stack))
-    body = _body(eqn)
-    if body is not None:
-        stacking = eqn.primitive.name == "scan" and k >= eqn.params["num_carry"]
-        loop = frame.loop if frame.loop is not None or not stacking else display_scope(path)
-        inner = _Frame(body, path, frame, eqn, (*frame.key, id(eqn), stacking),
-                       (*frame.order, index), stacking, loop)
-        return _origin(body.outvars[k], inner, producers)
-    here = _Origin("activation", (frame.key, id(atom)), eqn, path, (*frame.order, index),
-                   loop=frame.loop)
-    if _is_identity(eqn):
-        # A value passed on unchanged (a checkpoint name, a reduce_precision to its own
-        # format, which a checkpoint policy adds to what it saves) is named by what
-        # computed it.
-        source = _origin(eqn.invars[0], frame, producers)
-        if source.kind == "activation":
-            return dataclasses.replace(source, key=here.key, order=here.order)
-    return here
-
-
-def _from_caller(i: int, frame: _Frame, producers: _Producers) -> _Origin:
-    """Where the ``i``-th input of ``frame``'s jaxpr comes from: an argument of ``fn``, or
-    its caller's operand."""
-    eqn, parent = frame.eqn, frame.parent
-    if eqn is None or parent is None:
-        return _Origin("argument", ("argument", i), argument=i)
-    if eqn.primitive.name == "scan" and frame.stacking:
-        if i >= eqn.params["num_consts"] + eqn.params["num_carry"]:
-            return _origin(eqn.invars[i], parent, producers)  # the xs: the same stacked array
-        # A constant or carry kept by every iteration: a stack of copies that the scan makes.
-        return _Origin("activation", (frame.key, i), eqn, frame.path, frame.order,
-                       loop=frame.loop)
-    return _origin(eqn.invars[i], parent, producers)
-
-
-def _body(eqn: JaxprEqn) -> Optional[Jaxpr]:
-    """The jaxpr whose outputs are ``eqn``'s, input for input: a ``scan``'s body, a call's
-    (``jit``, ``checkpoint``, ``custom_jvp``, ``shard_map``); ``None`` for a primitive, a
-    ``cond`` (one output from several branches) or a ``while_loop``."""
-    subs = sub_jaxprs(eqn, "jaxpr") if eqn.primitive.name == "scan" else sub_jaxprs(eqn)
-    if len(subs) != 1:
-        return None
-    body = subs[0]
-    if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
-        return None
-    return body
-
-
-def _is_identity(eqn: JaxprEqn) -> bool:
-    """Whether ``eqn`` passes its operand on unchanged (a name, a no-op rounding)."""
-    if eqn.primitive.name == "name":
-        return True
-    if eqn.primitive.name != "reduce_precision":
-        return False
-    facts = formats.facts_of(eqn.invars[0].aval.dtype)  # type: ignore[attr-defined]
-    return bool(eqn.params["exponent_bits"] == facts.exponent_bits and
-                eqn.params["mantissa_bits"] == facts.mantissa)
-
-
 def _rows(closed: ClosedJaxpr, names: list[str]) -> list[ResidualRow]:
     """One row per residual (the jaxpr's outputs), activations first in program order."""
-    producers = _Producers()
-    top = _Frame(closed.jaxpr)
-    found: dict[Hashable, tuple[_Origin, Any]] = {}
-    for var in closed.jaxpr.outvars:
-        origin = _origin(var, top, producers)
+    found: dict[Hashable, tuple[Origin, Any]] = {}
+    for origin, var in zip(origins(closed), closed.jaxpr.outvars):
         found.setdefault(origin.key, (origin, var.aval))
     rank = {"activation": 0, "argument": 1, "constant": 2}
     ordered = sorted(found.values(), key=lambda o: (rank[o[0].kind], o[0].order))
     return [_row(origin, aval, names) for origin, aval in ordered]
 
 
-def _row(origin: _Origin, aval: Any, names: list[str]) -> ResidualRow:
+def _row(origin: Origin, aval: Any, names: list[str]) -> ResidualRow:
     shape = tuple(int(d) for d in aval.shape)
     size = int(np.prod(shape, dtype=np.int64)) * int(aval.dtype.itemsize)
     if origin.kind == "activation":

@@ -1,0 +1,146 @@
+"""`in_float8`: a function whose backward pass keeps its residuals in float8.
+
+The function becomes a ``jax.custom_vjp`` whose forward rule runs ``jax.vjp``
+of the function, finds where each residual comes from (`origins`), stores in
+float8 those the `Rule` allows (``_format.store``) and keeps the rest; its
+backward rule loads them back into their dtypes and runs the function's own
+backward pass. Undifferentiated, the function runs as it is.
+
+>>> import jax, jax.numpy as jnp
+>>> f = in_float8(lambda w, x: [jnp.sum(jnp.tanh(x @ w))], Float8Residuals())
+>>> w, x = jnp.full((64, 64), 0.1), jnp.ones((8, 64))
+>>> exact = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+>>> near = jax.grad(lambda w: f(w, x)[0])(w)
+>>> bool(jnp.allclose(near, exact, rtol=0.07)), bool(jnp.array_equal(near, exact))
+(True, False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Collection, Optional, Sequence, Union
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend.core import jaxpr_as_fun
+
+from jmp_policy.paths import display_scope, scope_patterns
+from jmp_policy.residuals._format import Stored, load, store
+from jmp_policy.residuals._origins import origins, vjp_jaxpr
+from jmp_policy.residuals._rule import Rule
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Residuals:
+    """Autocast's ``residuals=``: the activations a backward pass keeps, stored in float8.
+
+    Every residual that the forward pass hands to the backward pass (what
+    ``jmp_policy.saved_residuals`` lists) is stored as ``float8_e4m3fn``
+    values with one power-of-two scale per block of 32 values along its last
+    axis (MXFP8's format, 1 + 1/32 bytes a value), and loaded back into its
+    dtype where the backward pass reads it, except those the rule keeps:
+    arguments and constants, statistics (a norm's mean and variance, a
+    softmax's sum, and what is computed from them alone), max-subtracted
+    logits, values already one byte wide, arrays of fewer than 32 values, and
+    residuals made in a scope ``exclude`` names. What a ``jax.checkpoint``
+    policy saves is stored so; what it recomputes is not stored at all.
+
+    Attributes:
+      exclude: regular expressions searched (``re.search``) in the
+        ``/``-joined scope path of the operation that made a residual
+        (``jax.named_scope`` names, Flax module paths): its residuals stay in
+        their dtype. An entry that matches no operation warns
+        (``UnmatchedRuleWarning``).
+
+    >>> import jmp_policy
+    >>> jmp_policy.Float8Residuals(exclude="attention").exclude
+    ('attention',)
+    """
+
+    exclude: Union[str, Sequence[str]] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "exclude",
+                           scope_patterns(self.exclude, "Float8Residuals exclude"))
+
+
+ResidualsLike = Union[None, str, Float8Residuals]
+
+
+def as_residuals(value: ResidualsLike) -> Optional[Float8Residuals]:
+    """Reads autocast's ``residuals=`` argument: ``None``, ``"float8"`` or a
+    `Float8Residuals`.
+
+    >>> as_residuals("float8")
+    Float8Residuals(exclude=())
+    """
+    if value is None or isinstance(value, Float8Residuals):
+        return value
+    if isinstance(value, str) and value == "float8":
+        return Float8Residuals()
+    raise ValueError(
+        "autocast residuals must be None (residuals in the dtypes they are computed in), "
+        f"'float8' or a jmp_policy.Float8Residuals; got {value!r}.")
+
+
+def in_float8(fn: Callable[..., list[Any]], residuals: Float8Residuals,
+              activations: Collection[int] = ()) -> Callable[..., list[Any]]:
+    """``fn`` (a function of arrays returning a list of arrays), its residuals kept in
+    float8 as ``residuals`` says. The arguments at ``activations`` (a loop body's carry,
+    which the loop stacks) count as activations; the others are in memory anyway."""
+
+    @jax.custom_vjp
+    def wrapped(*args: Any) -> list[Any]:
+        return fn(*args)
+
+    def forward(*args: Any) -> tuple[list[Any], _Saved]:
+        closed, n_out, trees = vjp_jaxpr(fn, args)
+        flat = jaxpr_as_fun(closed)(*args)
+        rule = Rule(residuals.exclude)
+        kept: list[Any] = []
+        stored: dict[Any, int] = {}  # an array kept twice is stored once
+        layout = []
+        for origin, leaf in zip(origins(closed, n_out), flat[n_out:]):
+            if origin.kind == "argument" and origin.argument in activations:
+                origin = dataclasses.replace(origin, kind="activation")
+            shape, dtype = tuple(np.shape(leaf)), np.dtype(leaf.dtype)
+            if rule.why_kept(origin, shape, dtype) is not None:
+                layout.append((len(kept), None))
+                kept.append(leaf)
+                continue
+            if origin.key not in stored:
+                stored[origin.key] = len(kept)
+                with jax.named_scope(display_scope(origin.path) or "residual"):
+                    # The barrier makes XLA write the float8 arrays in the forward pass;
+                    # without it, fusion moves the rounding into the backward pass and
+                    # keeps the wide array alive until there.
+                    kept.append(Stored(*lax.optimization_barrier(tuple(store(leaf)))))
+            layout.append((stored[origin.key], (shape, dtype)))
+        return flat[:n_out], _Saved(kept, (trees[1], tuple(layout)))
+
+    def backward(saved: _Saved, cotangents: list[Any]) -> tuple[Any, ...]:
+        vjp_tree, layout = saved.meta
+        leaves = [saved.arrays[i] if form is None else load(saved.arrays[i], *form)
+                  for i, form in layout]
+        vjp = jax.tree_util.tree_unflatten(vjp_tree, leaves)
+        return tuple(vjp(cotangents))
+
+    wrapped.defvjp(forward, backward)
+    return wrapped
+
+
+@jax.tree_util.register_pytree_node_class
+class _Saved:
+    """What the forward rule hands to the backward rule: arrays (some `Stored`) and, as
+    static data, the treedef of ``jax.vjp``'s function and how to rebuild its leaves."""
+
+    def __init__(self, arrays: list[Union[jax.Array, Stored]], meta: Any) -> None:
+        self.arrays, self.meta = arrays, meta
+
+    def tree_flatten(self) -> tuple[tuple[list[Any]], Any]:
+        return (self.arrays,), self.meta
+
+    @classmethod
+    def tree_unflatten(cls, meta: Any, children: Any) -> _Saved:
+        return cls(list(children[0]), meta)
