@@ -130,6 +130,12 @@ TRAINING_RUNS: dict[str, Any] = {
     "nvfp4, bf16 last 10%": ("nvfp4", 0.1),
     "mxfp8, batched=False": R("mxfp8", batched=False),
     "nvfp4, Four Over Six": R("nvfp4", four_over_six=True),
+    # Float8 residuals (autocast's residuals="float8"), with and without float8 products.
+    "float8 residuals": {"residuals": "float8"},
+    "tensorwise, float8 residuals": {"fp8": "tensorwise", "residuals": "float8"},
+    "rowwise, float8 residuals": {"fp8": "rowwise", "residuals": "float8"},
+    "mxfp8, float8 residuals": {"fp8": "mxfp8", "residuals": "float8"},
+    "nvfp4, float8 residuals": {"fp8": "nvfp4", "residuals": "float8"},
 }
 
 
@@ -272,14 +278,15 @@ TRAINING_COLUMNS = [
 
 def _train_run(job: tuple[Any, ...]) -> tuple[str, dict[str, float]]:
     """One training run, ``(name, spec, seed, steps, tail, config)``, in this process or a
-    worker: a spec is a recipe, or ``(recipe, fraction)`` to train the last ``fraction``
-    of the steps without float8."""
+    worker: a spec is a recipe, ``(recipe, fraction)`` to train the last ``fraction``
+    of the steps without float8, or a dict of ``train``'s ``fp8`` and ``residuals``."""
     name, spec, seed, steps, tail, config = job
     lm = harness.load_file("examples/transformer_lm.py")
     fp8, last = spec if isinstance(spec, tuple) else (spec, 0.0)
+    options = fp8 if isinstance(fp8, dict) else {"fp8": fp8}
     r = lm.train("mixed_bfloat16", steps=steps, seed=seed, config=lm.Config(**config),
-                 text=lm.load_text(),
-                 fp8=fp8, final_steps_without_fp8=int(round(last * steps)))
+                 text=lm.load_text(), final_steps_without_fp8=int(round(last * steps)),
+                 **options)
     return name, {"held_out_bpb": r["test_bits_per_byte"],
                   "held_out_plain_bpb": r["test_bits_per_byte_without_fp8"],
                   "train_bpb": float(np.mean(r["losses"][-tail:])) / math.log(2)}

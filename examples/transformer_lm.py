@@ -183,11 +183,13 @@ def load_text() -> np.ndarray:
 
 
 def make_train_step(policy: Any, config: Config = Config(), loss_scale: Any = "policy",
-                    fp8: Any = None):
+                    fp8: Any = None, residuals: Any = None):
     """Returns ``(init, train_step, eval_loss)`` for ``policy``; all jitted.
 
     With ``fp8`` (a scaling name or ``jmp_policy.Float8Recipe``), the model's
-    matrix products run in float8 through ``jmp_policy.autocast``.
+    matrix products run in float8 through ``jmp_policy.autocast``. With
+    ``residuals="float8"``, the whole loss (model and cross-entropy) is one
+    autocast function whose backward pass keeps its activations in float8.
 
     The optimizer state ``train_step`` carries is ``(opt_state, fp8_state)``: the
     second is ``None``, or with delayed float8 scaling (``fp8="delayed"``) the amax
@@ -202,12 +204,22 @@ def make_train_step(policy: Any, config: Config = Config(), loss_scale: Any = "p
     apply = model.apply if fp8 is None else jmp_policy.autocast(model.apply, policy, fp8=fp8)
     delayed = fp8 == "delayed" or getattr(fp8, "delayed", False)
 
-    def loss_fn(params, tokens, fp8_state=None):
-        with policies:
-            state = (fp8_state,) if delayed else ()  # delayed scaling: the histories first
-            logits = apply(*state, {"params": params}, tokens[:, :-1])
+    def cross_entropy(apply, state, params, tokens):
+        logits = apply(*state, {"params": params}, tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(
             logits.astype(jnp.float32), tokens[:, 1:]).mean()
+
+    if residuals is not None:  # the loss too: its softmax is a residual
+        whole = jmp_policy.autocast(
+            lambda params, tokens: cross_entropy(model.apply, (), params, tokens),
+            policy, fp8=fp8, residuals=residuals)
+
+    def loss_fn(params, tokens, fp8_state=None):
+        state = (fp8_state,) if delayed else ()  # delayed scaling: the histories first
+        with policies:
+            if residuals is not None:
+                return whole(*state, params, tokens)
+            return cross_entropy(apply, state, params, tokens)
 
     @jax.jit
     def init_params(key):
@@ -220,7 +232,9 @@ def make_train_step(policy: Any, config: Config = Config(), loss_scale: Any = "p
         if delayed:
             with policies:
                 fp8_state = jmp_policy.float8_state(
-                    apply, {"params": params}, jnp.zeros((1, config.seq_len - 1), jnp.int32))
+                    apply, {"params": params}, jnp.zeros((1, config.seq_len - 1), jnp.int32)
+                ) if residuals is None else jmp_policy.float8_state(
+                    whole, params, jnp.zeros((1, config.seq_len), jnp.int32))
         return params, (jax.jit(tx.init)(params), fp8_state)
 
     @jax.jit
@@ -274,16 +288,17 @@ def run_name(policy: Any, fp8: Any = None) -> str:
 def train(policy: Any, *, steps: int = 300, seed: int = 0, config: Config = Config(),
           text: Optional[np.ndarray] = None, progress: bool = False,
           measure_memory: bool = False, fp8: Any = None,
-          final_steps_without_fp8: int = 0) -> Dict[str, Any]:
+          final_steps_without_fp8: int = 0, residuals: Any = None) -> Dict[str, Any]:
     """Trains for ``steps`` steps; with ``fp8``, the last ``final_steps_without_fp8`` of
     them without it: a second train step of the same loss (a new autocast), which takes
-    the same parameters and optimizer state (a delayed recipe's histories are dropped)."""
+    the same parameters and optimizer state (a delayed recipe's histories are dropped).
+    ``residuals="float8"`` keeps the backward pass's activations in float8."""
     policy = jmp_policy.Policy(policy)
-    name = run_name(policy, fp8)
+    name = run_name(policy, fp8) + (f", {residuals} residuals" if residuals else "")
     text = load_text() if text is None else text
     split = int(0.9 * len(text))
     train_text, test_text = text[:split], text[split:]
-    init, train_step, eval_loss = make_train_step(policy, config, fp8=fp8)
+    init, train_step, eval_loss = make_train_step(policy, config, fp8=fp8, residuals=residuals)
     _, plain_step, plain_loss = (init, train_step, eval_loss) if fp8 is None \
         else make_train_step(policy, config)
     params, opt_state = init(seed)

@@ -312,12 +312,25 @@ def _run(ctx: Context, closed: ClosedJaxpr, values: Sequence[Any],
     if residuals is None:
         return eval_jaxpr(ctx, closed.jaxpr, closed.consts, values)
     _warn_unmatched_residuals(residuals, closed)
-    n = len(closed.consts)
+    # What the evaluation reads besides its values is passed in as arguments, which a
+    # custom derivative needs of anything differentiated: the consts, and the amax
+    # histories of delayed scaling (their gradient holds what the step observed).
+    slots = ctx.float8_slots
+    given = slots.given if isinstance(slots, Slots) and slots.given is not None else None
+    histories, tree = jax.tree_util.tree_flatten(given)
+    h, n = len(histories), len(closed.consts)
 
-    def run(*args: Any) -> list[Any]:  # the consts are arguments: they may be traced
-        return eval_jaxpr(ctx, closed.jaxpr, args[:n], args[n:])
+    def run(*args: Any) -> list[Any]:
+        inner = ctx
+        if given is not None:
+            taken = Slots(slots.length, jax.tree_util.tree_unflatten(tree, args[:h]), slots.what)
+            inner = dataclasses.replace(ctx, float8_slots=taken)
+        outs = eval_jaxpr(inner, closed.jaxpr, args[h:h + n], args[h + n:])
+        if given is not None:
+            slots.requests[:] = taken.requests  # what `Slots.check_all_taken` reads
+        return outs
 
-    return in_float8(run, residuals)(*closed.consts, *values)
+    return in_float8(run, residuals)(*histories, *closed.consts, *values)
 
 
 def _warn_unmatched_residuals(residuals: Float8Residuals, closed: ClosedJaxpr) -> None:

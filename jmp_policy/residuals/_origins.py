@@ -30,15 +30,23 @@ from jmp_policy.paths import display_scope, join_scope
 Kind = Literal["activation", "argument", "constant"]
 
 
-def vjp_jaxpr(fn: Callable[..., Any], args: Sequence[Any]
-              ) -> tuple[ClosedJaxpr, int, Any]:
-    """The jaxpr of ``fn``'s forward pass under ``jax.vjp``, at ``args`` (a flat list of
-    arrays): its outputs are ``fn``'s output leaves, then the residuals. Returns the
-    jaxpr, the number of output leaves and the treedefs ``(outputs, vjp function)``."""
+def vjp_jaxpr(fn: Callable[..., Any], args: Sequence[Any],
+              wrt: Optional[Sequence[int]] = None) -> tuple[ClosedJaxpr, int, Any]:
+    """The jaxpr of ``fn``'s forward pass under ``jax.vjp`` with respect to the arguments at
+    ``wrt`` (all by default), at ``args`` (a flat list of arrays), all of them its inputs:
+    its outputs are ``fn``'s output leaves, then the residuals. Returns the jaxpr, the
+    number of output leaves and the treedefs ``(outputs, vjp function)``."""
+    wrt = range(len(args)) if wrt is None else wrt
     trees: list[Any] = []
 
     def forward(*values: Any) -> tuple[list[Any], list[Any]]:
-        out, vjp = jax.vjp(fn, *values)
+        def of_wrt(*diff: Any) -> Any:
+            full = list(values)
+            for i, v in zip(wrt, diff):
+                full[i] = v
+            return fn(*full)
+
+        out, vjp = jax.vjp(of_wrt, *[values[i] for i in wrt])
         outs, out_tree = jax.tree_util.tree_flatten(out)
         leaves, vjp_tree = jax.tree_util.tree_flatten(vjp)
         trees.extend([out_tree, vjp_tree])

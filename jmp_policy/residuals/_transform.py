@@ -23,11 +23,12 @@ from typing import Any, Callable, Collection, Optional, Sequence, Union
 import jax
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import jaxpr_as_fun
 
 from jmp_policy.paths import display_scope, scope_patterns
 from jmp_policy.residuals._format import Stored, load, store
-from jmp_policy.residuals._origins import origins, vjp_jaxpr
+from jmp_policy.residuals._origins import Origin, origins, vjp_jaxpr
 from jmp_policy.residuals._rule import Rule
 
 
@@ -94,40 +95,64 @@ def in_float8(fn: Callable[..., list[Any]], residuals: Float8Residuals,
     def wrapped(*args: Any) -> list[Any]:
         return fn(*args)
 
-    def forward(*args: Any) -> tuple[list[Any], _Saved]:
-        closed, n_out, trees = vjp_jaxpr(fn, args)
+    def forward(*primals: Any) -> tuple[list[Any], _Saved]:
+        # Only the differentiated arguments (``perturbed``) are ``jax.vjp``'s: the
+        # backward pass keeps nothing for the gradients of the others.
+        args = [p.value for p in primals]
+        wrt = [i for i, p in enumerate(primals) if p.perturbed]
+        closed, n_out, trees = vjp_jaxpr(fn, args, wrt)
         flat = jaxpr_as_fun(closed)(*args)
-        rule = Rule(residuals.exclude)
-        kept: list[Any] = []
-        stored: dict[Any, int] = {}  # an array kept twice is stored once
-        layout = []
-        for origin, leaf in zip(origins(closed, n_out), flat[n_out:]):
-            if origin.kind == "argument" and origin.argument in activations:
-                origin = dataclasses.replace(origin, kind="activation")
-            shape, dtype = tuple(np.shape(leaf)), np.dtype(leaf.dtype)
-            if rule.why_kept(origin, shape, dtype) is not None:
-                layout.append((len(kept), None))
-                kept.append(leaf)
-                continue
-            if origin.key not in stored:
-                stored[origin.key] = len(kept)
-                with jax.named_scope(display_scope(origin.path) or "residual"):
-                    # The barrier makes XLA write the float8 arrays in the forward pass;
-                    # without it, fusion moves the rounding into the backward pass and
-                    # keeps the wide array alive until there.
-                    kept.append(Stored(*lax.optimization_barrier(tuple(store(leaf)))))
-            layout.append((stored[origin.key], (shape, dtype)))
-        return flat[:n_out], _Saved(kept, (trees[1], tuple(layout)))
+        saved = _store(origins(closed, n_out), flat[n_out:], Rule(residuals.exclude),
+                       activations)
+        return flat[:n_out], _Saved(saved[0], (trees[1], saved[1], tuple(wrt), len(args)))
 
     def backward(saved: _Saved, cotangents: list[Any]) -> tuple[Any, ...]:
-        vjp_tree, layout = saved.meta
+        vjp_tree, layout, wrt, count = saved.meta
         leaves = [saved.arrays[i] if form is None else load(saved.arrays[i], *form)
                   for i, form in layout]
         vjp = jax.tree_util.tree_unflatten(vjp_tree, leaves)
-        return tuple(vjp(cotangents))
+        grads = vjp([_instantiated(c) for c in cotangents])
+        full: list[Any] = [None] * count
+        for i, g in zip(wrt, grads):
+            full[i] = g
+        return tuple(full)
 
-    wrapped.defvjp(forward, backward)
+    wrapped.defvjp(forward, backward, symbolic_zeros=True)
     return wrapped
+
+
+def _store(found: Sequence[Origin], leaves: Sequence[Any], rule: Rule,
+           activations: Collection[int]) -> tuple[list[Any], tuple[Any, ...]]:
+    """The residuals ``leaves`` (made at ``found``) as the backward rule takes them: the
+    arrays, some `Stored`, and for each leaf its array's index and, if stored, its shape
+    and dtype. The arguments at ``activations`` count as activations."""
+    arrays: list[Any] = []
+    stored: dict[Any, int] = {}  # an array kept twice is stored once
+    layout = []
+    for origin, leaf in zip(found, leaves):
+        if origin.kind == "argument" and origin.argument in activations:
+            origin = dataclasses.replace(origin, kind="activation")
+        shape, dtype = tuple(np.shape(leaf)), np.dtype(leaf.dtype)
+        if rule.why_kept(origin, shape, dtype) is not None:
+            layout.append((len(arrays), None))
+            arrays.append(leaf)
+            continue
+        if origin.key not in stored:
+            stored[origin.key] = len(arrays)
+            with jax.named_scope(display_scope(origin.path) or "residual"):
+                # The barrier makes XLA write the float8 arrays in the forward pass;
+                # without it, fusion moves the rounding into the backward pass and
+                # keeps the wide array alive until there.
+                arrays.append(Stored(*lax.optimization_barrier(tuple(store(leaf)))))
+        layout.append((stored[origin.key], (shape, dtype)))
+    return arrays, tuple(layout)
+
+
+def _instantiated(cotangent: Any) -> Any:
+    """A cotangent the backward rule got, a ``SymbolicZero`` made an array of zeros."""
+    if isinstance(cotangent, SymbolicZero):
+        return np.zeros(cotangent.aval.shape, cotangent.aval.dtype)
+    return cotangent
 
 
 @jax.tree_util.register_pytree_node_class
