@@ -16,10 +16,11 @@ byte-level batches (the standard-library sources of ``transformer_lm.py``), twic
 
 * ``float32``: float32 weights, plain ``optax.adamw``, no autocast;
 * ``bf16+fp8``: the whole recipe, ``jmp_policy.autocast(loss, "mixed_bfloat16",
-  fp8="tensorwise")`` (every product in float8 but the output head), bfloat16
-  weights updated with ``low_precision_params(..., "stochastic")``, AdamW's
-  moments in 8 bits (``quantize_state``), all under ``loss_scaling(...,
-  "dynamic")``, the outermost transformation.
+  fp8="tensorwise", residuals="float8")`` (every product in float8 but the output
+  head, the activations the backward pass keeps in float8), bfloat16 weights
+  updated with ``low_precision_params(..., "stochastic")``, AdamW's moments in 8
+  bits (``quantize_state``), all under ``loss_scaling(..., "dynamic")``, the
+  outermost transformation.
 
 It prints a table (held-out loss and bits per byte, XLA's memory account of one
 step per device, step time) and writes ``results.json`` (or ``--json PATH``) and
@@ -231,22 +232,34 @@ class Run:
     scaled: bool                # loss_scaling outermost: train with scaled_value_and_grad
 
 
-def runs(c: Config, steps: int, seed: int) -> List[Run]:
+def adamw(c: Config, steps: int) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, c.learning_rate, max(1, steps // 10), max(2, steps), c.learning_rate / 10)
-    adamw = lambda: optax.adamw(schedule, b2=0.95, weight_decay=0.01)
+    return optax.adamw(schedule, b2=0.95, weight_decay=0.01)
+
+
+def runs(c: Config, steps: int, seed: int, residuals: Any = "float8") -> List[Run]:
     loss = lambda params, tokens: loss_fn(params, tokens, c)
     recipe = jmp_policy.Float8Recipe("tensorwise")  # the output head stays bfloat16
     mixed_tx = jmp_policy.loss_scaling(                      # outermost: sees scaled grads
         jmp_policy.low_precision_params(                     # bfloat16 weights
-            jmp_policy.quantize_state(adamw(), bits=8, seed=seed),  # 8-bit moments
+            jmp_policy.quantize_state(adamw(c, steps), bits=8, seed=seed),  # 8-bit moments
             "stochastic", seed=seed),
         "dynamic")
     return [
-        Run("float32", loss, adamw(), jnp.float32, scaled=False),
-        Run("bf16+fp8", jmp_policy.autocast(loss, "mixed_bfloat16", fp8=recipe), mixed_tx,
+        Run("float32", loss, adamw(c, steps), jnp.float32, scaled=False),
+        Run("bf16+fp8", jmp_policy.autocast(loss, "mixed_bfloat16", fp8=recipe,
+                                            residuals=residuals), mixed_tx,
             jnp.bfloat16, scaled=True),
     ]
+
+
+def mixed_bfloat16(c: Config, steps: int) -> Run:
+    """The usual mixed precision, to measure memory against: float32 weights and AdamW,
+    bfloat16 compute (``autocast(loss, "mixed_bfloat16")``), no float8."""
+    return Run("mixed_bfloat16", jmp_policy.autocast(
+        lambda params, tokens: loss_fn(params, tokens, c), "mixed_bfloat16"),
+        adamw(c, steps), jnp.float32, scaled=False)
 
 
 def make_step(run: Run) -> Callable:
@@ -261,27 +274,50 @@ def make_step(run: Run) -> Callable:
     return step
 
 
+def jitted_step(run: Run, c: Config, mesh: jax.sharding.Mesh) -> tuple:
+    """The train step, jitted with FSDP shardings on ``mesh`` and the weights and state
+    donated (as a train loop would), and those shardings: ``(step, (params, state,
+    batch))``."""
+    param_sh = fsdp_shardings(param_shapes(c), mesh)
+    params = jax.eval_shape(lambda p: jax.tree.map(lambda x: x.astype(run.param_dtype), p),
+                            param_shapes(c))
+    state_sh = state_shardings(jax.eval_shape(run.tx.init, params), params, param_sh, mesh)
+    batch_sh = NamedSharding(mesh, P("data", None))
+    step = jax.jit(make_step(run), in_shardings=(param_sh, state_sh, batch_sh),
+                   out_shardings=(param_sh, state_sh, None), donate_argnums=(0, 1))
+    return step, (param_sh, state_sh, batch_sh)
+
+
+def step_memory(run: Run, c: Config, mesh: jax.sharding.Mesh) -> Any:
+    """XLA's memory account of one train step per device, compiled from shapes alone
+    (for ``mesh``'s devices, which may be a deviceless GPU's)."""
+    step, shardings = jitted_step(run, c, mesh)
+    params = jax.eval_shape(lambda p: jax.tree.map(lambda x: x.astype(run.param_dtype), p),
+                            param_shapes(c))
+    shapes = (params, jax.eval_shape(run.tx.init, params),
+              jax.ShapeDtypeStruct((c.batch_size, c.seq_len + 1), jnp.int32))
+    structs = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                           shapes, shardings)
+    return step.lower(*structs).compile().memory_analysis()
+
+
 def train(run: Run, c: Config, mesh: jax.sharding.Mesh, text: np.ndarray, steps: int,
           seed: int) -> Dict[str, Any]:
     lm = _transformer_lm()
     split = int(0.9 * len(text))
-    param_sh = fsdp_shardings(param_shapes(c), mesh)
-    batch_sh = NamedSharding(mesh, P("data", None))
+    step, (param_sh, state_sh, batch_sh) = jitted_step(run, c, mesh)
 
     # Same initial weights for both runs: drawn in float32, then cast.
     params = jax.jit(lambda k: jax.tree.map(lambda x: x.astype(run.param_dtype),
                                             init_params(k, c)),
                      out_shardings=param_sh)(jax.random.key(seed))
-    state_sh = state_shardings(jax.eval_shape(run.tx.init, params), params, param_sh, mesh)
     opt_state = jax.jit(run.tx.init, out_shardings=state_sh)(params)
 
     data = lm.batches(text[:split], c, seed)  # same batches for both runs
     put = lambda b: jax.device_put(b, batch_sh)
     first = put(next(data))
     # Ahead of time, to read XLA's per-device memory account; training then runs this
-    # executable. Params and state donated, as a train loop would.
-    step = jax.jit(make_step(run), in_shardings=(param_sh, state_sh, batch_sh),
-                   out_shardings=(param_sh, state_sh, None), donate_argnums=(0, 1))
+    # executable.
     step = step.lower(params, opt_state, first).compile()
     memory = step.memory_analysis()
 

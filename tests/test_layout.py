@@ -16,7 +16,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "jmp_policy"
-LAYERS = ["core", "policy", "optim", "float8", "autocast", "inspector", "flax"]
+LAYERS = ["core", "policy", "optim", "float8", "residuals", "autocast", "inspector", "flax"]
 
 
 def _module_name(path: pathlib.Path) -> str:

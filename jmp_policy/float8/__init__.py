@@ -36,7 +36,7 @@ applies it to a function's products. The modules, in reading order:
 dtype(bfloat16)
 """
 
-from jmp_policy.float8._blocks import BLOCK_SCALES, TENSOR_SCALES
+from jmp_policy.float8._blocks import BLOCK_SCALES, E4M3, E8M0, TENSOR_SCALES, pad_last, to_format
 from jmp_policy.float8._delayed import (
     AmaxHistory,
     Float8State,
@@ -68,6 +68,8 @@ from jmp_policy.float8._recipe import (
 
 __all__ = [
     "BLOCK_SCALES",
+    "E4M3",
+    "E8M0",
     "NO_LAYERS",
     "SCALINGS",
     "TENSOR_SCALES",
@@ -88,8 +90,10 @@ __all__ = [
     "make_state",
     "native_block_products",
     "operand_dtypes",
+    "pad_last",
     "products",
     "quantized_product",
     "stacked",
+    "to_format",
     "why_not_float8",
 ]

@@ -35,7 +35,7 @@ from jax.extend.core import ClosedJaxpr
 from jmp_policy.autocast import modules as _modules
 from jmp_policy.autocast.modules import Call
 from jmp_policy.inspector._report import Argnums, _argnums, _differentiated, _function_name
-from jmp_policy.residuals._origins import Kind, Origin, origins
+from jmp_policy.residuals import Kind, Origin, origins
 from jmp_policy.paths import display_scope, path_str
 
 # --- Rows and reports ----------------------------------------------------------------------

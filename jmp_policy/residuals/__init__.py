@@ -16,7 +16,7 @@ lists them.
 """
 
 from jmp_policy.residuals._format import BLOCK, Stored, load, store
-from jmp_policy.residuals._origins import Origin, origins, vjp_jaxpr
+from jmp_policy.residuals._origins import Kind, Origin, origins, vjp_jaxpr
 from jmp_policy.residuals._rule import Rule
 from jmp_policy.residuals._transform import (
     Float8Residuals, ResidualsLike, as_residuals, in_float8)
@@ -24,6 +24,7 @@ from jmp_policy.residuals._transform import (
 __all__ = [
     "BLOCK",
     "Float8Residuals",
+    "Kind",
     "Origin",
     "ResidualsLike",
     "Rule",

@@ -28,14 +28,12 @@ import numpy as np
 from jax import lax
 
 from jmp_policy import formats
-from jmp_policy.float8._blocks import E4M3, E8M0, pad_last, to_format
+from jmp_policy.float8 import E4M3, E8M0, pad_last, to_format
 
 BLOCK = 32
 """Values per scale along a residual's last axis (MXFP8's block)."""
 
 _LARGEST = float(formats.format_of(E4M3).max)
-_NAN_SCALE = np.int32(255)  # e8m0's NaN: the scale of a block holding inf or NaN
-_U8 = np.dtype(np.uint8)
 
 
 class Stored(NamedTuple):
@@ -58,19 +56,17 @@ def store(x: Any) -> Stored:
     block = block_size(jnp.shape(x))
     padded = pad_last(lax.convert_element_type(x, np.float32), -jnp.shape(x)[-1] % block)
     blocks = jnp.reshape(padded, (*jnp.shape(padded)[:-1], -1, block))
-    amax = jnp.max(jnp.abs(blocks), axis=-1)
-    # A block holding inf or NaN gets e8m0's NaN, so that it loads as NaN: a step that
+    # A block holding inf or NaN gets a NaN scale, so that it loads as NaN: a step that
     # overflowed stays non-finite for loss scaling to see.
-    exponent = jnp.where(jnp.isfinite(amax), formats.block_exponent(amax, _LARGEST), _NAN_SCALE)
-    scale = formats.power_of_two(exponent)[..., None]
+    scale = formats.e8m0_scale(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), _LARGEST)
     values = to_format(lax.div(blocks, scale), E4M3)
-    scales = lax.bitcast_convert_type(lax.convert_element_type(exponent, _U8), E8M0)
+    scales = lax.convert_element_type(scale[..., 0], E8M0)  # powers of two: exact
     return Stored(jnp.reshape(values, jnp.shape(padded)), scales)
 
 
 def load(stored: Stored, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     """The residual of ``shape`` and ``dtype`` that `store` made ``stored`` of."""
-    scale = formats.power_of_two(lax.bitcast_convert_type(stored.scales, _U8))
+    scale = formats.widen(stored.scales)
     padded = jnp.shape(stored.values)
     blocks = jnp.reshape(formats.widen(stored.values), (*padded[:-1], -1, block_size(shape)))
     x = jnp.reshape(lax.mul(blocks, scale[..., None]), padded)[..., :shape[-1]]

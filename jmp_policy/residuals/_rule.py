@@ -66,11 +66,12 @@ class Rule:
         if self.exclude and search_scopes(self.exclude, origin.path):
             return "in an excluded scope"
         eqn, jaxpr = origin.eqn, origin.jaxpr
-        assert eqn is not None and jaxpr is not None  # an activation
+        if eqn is None or jaxpr is None:  # an argument that a loop stacks (its carry)
+            return None
         graph = self._graph(jaxpr)
         if graph.statistic(eqn):
             return "a statistic"
-        if eqn.primitive.name == "sub" and graph.reaches(eqn.invars[1], "reduce_max"):
+        if max_subtracted(eqn, graph.producers):
             return "max-subtracted"
         if not shape or int(np.prod(shape, dtype=np.int64)) < BLOCK:
             return "small"
@@ -109,11 +110,16 @@ class _Graph:
         eqn = self.producers.get(atom)
         return eqn is not None and self.statistic(eqn)
 
-    def reaches(self, atom: Any, primitive: str, depth: int = 8) -> bool:
-        """Whether ``atom`` is computed from a ``primitive`` equation within ``depth``
-        equations."""
-        eqn = None if isinstance(atom, Literal) else self.producers.get(atom)
-        if eqn is None or depth == 0:
-            return False
-        return eqn.primitive.name == primitive or any(
-            self.reaches(v, primitive, depth - 1) for v in eqn.invars)
+
+def max_subtracted(eqn: JaxprEqn, producers: dict[Any, JaxprEqn]) -> bool:
+    """Whether ``eqn`` is ``x - m`` with ``m`` computed from a ``reduce_max`` (within 8
+    equations, through broadcasts and ``stop_gradient``): a softmax's shifted logits."""
+    return eqn.primitive.name == "sub" and _reaches(eqn.invars[1], "reduce_max", producers, 8)
+
+
+def _reaches(atom: Any, primitive: str, producers: dict[Any, JaxprEqn], steps: int) -> bool:
+    eqn = None if isinstance(atom, Literal) else producers.get(atom)
+    if eqn is None or steps == 0:
+        return False
+    return eqn.primitive.name == primitive or any(
+        _reaches(v, primitive, producers, steps - 1) for v in eqn.invars)

@@ -1,22 +1,27 @@
 """`in_float8`: a function whose backward pass keeps its residuals in float8.
 
 The function becomes a ``jax.custom_vjp`` whose forward rule runs ``jax.vjp``
-of the function, finds where each residual comes from (`origins`), stores in
+of the function, finds the arrays its residuals are made from (the roots,
+``_recompute.plan``) and where each comes from (``_origins``), stores in
 float8 those the `Rule` allows (``_format.store``) and keeps the rest; its
-backward rule loads them back into their dtypes and runs the function's own
-backward pass. Undifferentiated, the function runs as it is.
+backward rule loads them back into their dtypes, recomputes the residuals and
+runs the function's own backward pass. Undifferentiated, the function runs as
+it is.
 
 >>> import jax, jax.numpy as jnp
 >>> f = in_float8(lambda w, x: [jnp.sum(jnp.tanh(x @ w))], Float8Residuals())
->>> w, x = jnp.full((64, 64), 0.1), jnp.ones((8, 64))
+>>> w = jax.random.normal(jax.random.key(0), (64, 64)) / 8
+>>> x = jax.random.normal(jax.random.key(1), (8, 64))
 >>> exact = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
 >>> near = jax.grad(lambda w: f(w, x)[0])(w)
->>> bool(jnp.allclose(near, exact, rtol=0.07)), bool(jnp.array_equal(near, exact))
-(True, False)
+>>> error = float(jnp.linalg.norm(near - exact) / jnp.linalg.norm(exact))
+>>> 0 < error < 0.05
+True
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Collection, Optional, Sequence, Union
 
@@ -24,11 +29,12 @@ import jax
 import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
-from jax.extend.core import jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from jmp_policy.paths import display_scope, scope_patterns
 from jmp_policy.residuals._format import Stored, load, store
-from jmp_policy.residuals._origins import Origin, origins, vjp_jaxpr
+from jmp_policy.residuals._origins import Frame, Origin, Producers, origin_of, vjp_jaxpr
+from jmp_policy.residuals._recompute import plan, recompute
 from jmp_policy.residuals._rule import Rule
 
 
@@ -101,16 +107,25 @@ def in_float8(fn: Callable[..., list[Any]], residuals: Float8Residuals,
         args = [p.value for p in primals]
         wrt = [i for i, p in enumerate(primals) if p.perturbed]
         closed, n_out, trees = vjp_jaxpr(fn, args, wrt)
-        flat = jaxpr_as_fun(closed)(*args)
-        saved = _store(origins(closed, n_out), flat[n_out:], Rule(residuals.exclude),
-                       activations)
-        return flat[:n_out], _Saved(saved[0], (trees[1], saved[1], tuple(wrt), len(args)))
+        found = plan(closed.jaxpr, n_out, activations)
+        # The forward pass returns the roots rather than the residuals made from them.
+        handing = closed.jaxpr.replace(outvars=[*closed.jaxpr.outvars[:n_out], *found.roots])
+        flat = jaxpr_as_fun(ClosedJaxpr(handing, closed.consts))(*args)
+        values = dict(zip([*closed.jaxpr.invars, *closed.jaxpr.constvars],
+                          [*args, *closed.consts]))
+        top, producers = Frame(closed.jaxpr), Producers()
+        arrays, layout = _store([origin_of(v, top, producers) for v in found.roots],
+                                flat[n_out:], Rule(residuals.exclude), activations)
+        arrays += [values[v] for v in found.inputs]
+        return flat[:n_out], _Saved(arrays, (trees[1], found, layout, tuple(wrt), len(args)))
 
     def backward(saved: _Saved, cotangents: list[Any]) -> tuple[Any, ...]:
-        vjp_tree, layout, wrt, count = saved.meta
-        leaves = [saved.arrays[i] if form is None else load(saved.arrays[i], *form)
-                  for i, form in layout]
-        vjp = jax.tree_util.tree_unflatten(vjp_tree, leaves)
+        vjp_tree, found, layout, wrt, count = saved.meta
+        roots = [saved.arrays[i] if form is None else load(saved.arrays[i], *form)
+                 for i, form in layout]
+        inputs = saved.arrays[len(layout):]
+        kept = recompute(found, dict(zip([*found.roots, *found.inputs], [*roots, *inputs])))
+        vjp = jax.tree_util.tree_unflatten(vjp_tree, kept)
         grads = vjp([_instantiated(c) for c in cotangents])
         full: list[Any] = [None] * count
         for i, g in zip(wrt, grads):
@@ -121,30 +136,28 @@ def in_float8(fn: Callable[..., list[Any]], residuals: Float8Residuals,
     return wrapped
 
 
-def _store(found: Sequence[Origin], leaves: Sequence[Any], rule: Rule,
+def _store(found: Sequence[Origin], roots: Sequence[Any], rule: Rule,
            activations: Collection[int]) -> tuple[list[Any], tuple[Any, ...]]:
-    """The residuals ``leaves`` (made at ``found``) as the backward rule takes them: the
-    arrays, some `Stored`, and for each leaf its array's index and, if stored, its shape
-    and dtype. The arguments at ``activations`` count as activations."""
+    """The ``roots`` (made at ``found``) as the backward rule takes them: the arrays, some
+    `Stored`, and for each its shape and dtype if stored (else ``None``). The arguments at
+    ``activations`` count as activations."""
     arrays: list[Any] = []
-    stored: dict[Any, int] = {}  # an array kept twice is stored once
     layout = []
-    for origin, leaf in zip(found, leaves):
+    for origin, root in zip(found, roots):
         if origin.kind == "argument" and origin.argument in activations:
             origin = dataclasses.replace(origin, kind="activation")
-        shape, dtype = tuple(np.shape(leaf)), np.dtype(leaf.dtype)
+        shape, dtype = tuple(np.shape(root)), np.dtype(root.dtype)
         if rule.why_kept(origin, shape, dtype) is not None:
-            layout.append((len(arrays), None))
-            arrays.append(leaf)
+            arrays.append(root)
+            layout.append((len(layout), None))
             continue
-        if origin.key not in stored:
-            stored[origin.key] = len(arrays)
-            with jax.named_scope(display_scope(origin.path) or "residual"):
-                # The barrier makes XLA write the float8 arrays in the forward pass;
-                # without it, fusion moves the rounding into the backward pass and
-                # keeps the wide array alive until there.
-                arrays.append(Stored(*lax.optimization_barrier(tuple(store(leaf)))))
-        layout.append((stored[origin.key], (shape, dtype)))
+        scope = display_scope(origin.path)  # the stored arrays are named as the root is
+        with jax.named_scope(scope) if scope else contextlib.nullcontext():
+            # The barrier makes XLA write the float8 arrays in the forward pass;
+            # without it, fusion moves the rounding into the backward pass and
+            # keeps the wide array alive until there.
+            arrays.append(Stored(*lax.optimization_barrier(tuple(store(root)))))
+        layout.append((len(layout), (shape, dtype)))
     return arrays, tuple(layout)
 
 

@@ -1,0 +1,200 @@
+"""Float8 residuals: the memory a backward pass keeps, per token and per device.
+
+Two tables, each a ratio to ``mixed_bfloat16``:
+
+* ``lm_residuals``: the example LM (``examples/transformer_lm.py``, 2 blocks),
+  its loss differentiated with respect to the parameters. ``residual bytes /
+  token``: XLA's memory account (``memory_analysis``, on this machine's
+  backend) of the compiled forward pass that returns what ``jax.vjp`` keeps
+  (``jax.tree.leaves`` of its function), at a batch of 16 and of 32 sequences,
+  the difference divided by the tokens added (what a token costs, the
+  per-parameter residuals cancelling). ``step temporaries / token``: the same
+  difference of the whole compiled gradient's temporaries, on this backend and,
+  where the CUDA plugin is installed, for an H100 (a deviceless compile).
+  ``mixed_bfloat16`` is the example's own (module policies, no autocast), a float8
+  recipe's row its model's ``apply`` under ``autocast(..., fp8=...)``, and a row with
+  float8 residuals ``autocast`` of the whole loss (its softmax is a residual too).
+* ``scale_lm_memory``: ``examples/scale_lm.py``'s train step (FSDP over the
+  devices, each layer ``jax.checkpoint``-ed), XLA's per-device arguments,
+  temporaries and their sum (the peak an allocator needs), on 8 simulated CPU
+  devices and for one deviceless H100 (the global batch of 16 on it): float32,
+  ``mixed_bfloat16`` (float32 weights and AdamW), and the example's recipe
+  (float8 products, bfloat16 weights, 8-bit AdamW moments) without and with float8
+  residuals.
+
+XLA:CPU fuses the rounding into the backward pass's kernels, keeping the wide
+activation alive (the optimization barrier that stops this on XLA:GPU is
+removed before XLA:CPU's fusion), so its step temporaries are not the figure
+that float8 residuals change: the H100 columns are. The deviceless H100 compile
+cannot tile the example LM's float32 products for Triton's GEMMs, so every H100
+figure is compiled with ``--xla_gpu_enable_triton_gemm=false`` (cuBLAS GEMMs).
+
+Run from the repository root (the H100 columns need the CUDA plugin, see
+``bench_xla_gpu_memory``; 8 CPU devices are simulated here)::
+
+    python -m benchmarks.bench_residuals
+    /tmp/gpuvenv/bin/python -m benchmarks.bench_residuals   # with the H100 columns
+
+JSON to ``benchmarks/results/bench_residuals.json``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__" and "jax" not in sys.modules:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    # XLA:GPU's deviceless compile cannot tile the example LM's float32 products for
+    # Triton's GEMMs (nothing to autotune on): every H100 figure is with cuBLAS GEMMs.
+    os.environ["XLA_FLAGS"] += " --xla_gpu_enable_triton_gemm=false"
+
+import argparse  # noqa: E402
+from typing import Any, Callable, Dict, List, Optional  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+
+from benchmarks import harness  # noqa: E402
+
+LM_RUNS: Dict[str, Dict[str, Any]] = {
+    "float32": {"policy": "float32"},
+    "mixed_bfloat16": {},
+    "float8 residuals": {"residuals": "float8"},
+    "tensorwise": {"fp8": "tensorwise"},
+    "tensorwise, float8 residuals": {"fp8": "tensorwise", "residuals": "float8"},
+    "rowwise": {"fp8": "rowwise"},
+    "rowwise, float8 residuals": {"fp8": "rowwise", "residuals": "float8"},
+    "mxfp8": {"fp8": "mxfp8"},
+    "mxfp8, float8 residuals": {"fp8": "mxfp8", "residuals": "float8"},
+    "nvfp4": {"fp8": "nvfp4"},
+    "nvfp4, float8 residuals": {"fp8": "nvfp4", "residuals": "float8"},
+}
+"""Keyword arguments of the example's ``make_train_step`` (and its policy)."""
+
+LM_COLUMNS = [
+    harness.Column("residuals", "residual bytes / token", "bytes"),
+    harness.Column("temp", "step temporaries / token", "bytes"),
+    harness.Column("temp_h100", "step temporaries / token, H100", "bytes"),
+]
+SCALE_COLUMNS = [
+    harness.Column(f"{what}{where}", f"{label}{title}", "bytes")
+    for where, title in (("", ", 8 CPU devices"), ("_h100", ", H100"))
+    for what, label in (("args", "arguments / device"), ("temp", "temporaries / device"),
+                        ("peak", "arguments + temporaries / device"))
+]
+
+
+def per_token(measure: Callable[[int], float], seq: int) -> float:
+    """What a token adds to ``measure(batch)``: between batches of 16 and 32."""
+    return (measure(32) - measure(16)) / (16 * (seq - 1))
+
+
+def lm_row(lm: Any, options: Dict[str, Any], h100: Optional[Any]) -> Dict[str, float]:
+    options = dict(options)
+    init, _, loss = lm.make_train_step(options.pop("policy", "mixed_bfloat16"), **options)
+    params, seq = init(0)[0], lm.Config().seq_len
+
+    def residual_bytes(batch: int) -> float:
+        tokens = jnp.zeros((batch, seq), jnp.int32)
+        kept = jax.jit(lambda p, t: jax.tree.leaves(jax.vjp(lambda p: loss(p, t), p)[1]))
+        return kept.lower(params, tokens).compile().memory_analysis().output_size_in_bytes
+
+    def temp(batch: int, sharding: Any = None) -> float:
+        args = (params, jnp.zeros((batch, seq), jnp.int32))
+        if sharding is not None:
+            args = harness.on_target(args, sharding)
+        step = jax.jit(jax.grad(loss)).lower(*args).compile()
+        return step.memory_analysis().temp_size_in_bytes
+
+    row: Dict[str, Any] = {"residuals": per_token(residual_bytes, seq),
+                           "temp": per_token(temp, seq)}
+    if h100 is not None:
+        row["temp_h100"] = _or_error(lambda: per_token(lambda b: temp(b, h100), seq), row)
+    return row
+
+
+def _or_error(figure: Callable[[], float], row: Dict[str, Any]) -> Optional[float]:
+    """``figure()``, or ``None`` with the compiler's error in the row's ``error``: a
+    deviceless compile that XLA:GPU refuses leaves its cell empty, not the report."""
+    try:
+        return figure()
+    except Exception as e:
+        row.setdefault("error", f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        return None
+
+
+def scale_row(scale_lm: Any, run: Any, c: Any, meshes: Dict[str, Any]) -> Dict[str, Any]:
+    row: Dict[str, Any] = {}
+    for where, mesh in meshes.items():
+        memory = _or_error(lambda: scale_lm.step_memory(run, c, mesh), row)
+        if memory is not None:
+            args, temp = memory.argument_size_in_bytes, memory.temp_size_in_bytes
+            row.update({f"args{where}": args, f"temp{where}": temp, f"peak{where}": args + temp})
+    return row
+
+
+def h100_mesh() -> Optional[Any]:
+    """A one-device mesh (axis ``"data"``) of a deviceless H100; ``None`` without the
+    CUDA plugin."""
+    try:
+        sharding = harness.h100_sharding()
+    except Exception:  # no CUDA plugin: the H100 columns are left out
+        return None
+    devices = np.asarray(sharding.mesh.devices).reshape(-1)[:1]
+    return jax.sharding.Mesh(devices, ("data",), axis_types=(AxisType.Auto,))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", nargs="+", default=None, help=f"of {list(LM_RUNS)}")
+    parser.add_argument("--json", help="default: benchmarks/results/bench_residuals.json")
+    args = parser.parse_args(argv)
+    lm = harness.load_file("examples/transformer_lm.py")
+    scale_lm = harness.load_file("examples/scale_lm.py")
+    h100 = h100_mesh()
+    report = harness.Report("bench_residuals", __doc__.split("\n")[0], vars(args), argv,
+                            env=harness.environment())
+
+    table = report.table("lm_residuals", "example LM: what the backward pass keeps, per token",
+                         baseline="mixed_bfloat16", columns=LM_COLUMNS,
+                         description="examples/transformer_lm.py, batches of 16 and 32")
+    sharding = None if h100 is None else jax.sharding.NamedSharding(
+        h100, jax.sharding.PartitionSpec())
+    for name, options in LM_RUNS.items():
+        if args.runs is None or name in args.runs:
+            figures = lm_row(lm, options, sharding)
+            table.add_row(name, figures, note=figures.pop("error", ""))
+            print(f"  {name}: {table.rows[-1]['figures']}", flush=True)
+    print(harness.render_table(table.to_json()), flush=True)
+
+    c, steps = scale_lm.Config(), 300
+    meshes = {"": jax.make_mesh((jax.device_count(),), ("data",),
+                                axis_types=(AxisType.Auto,))}
+    if h100 is not None:
+        meshes["_h100"] = h100
+    float32, recipe = scale_lm.runs(c, steps, seed=0)
+    _, without = scale_lm.runs(c, steps, seed=0, residuals=None)
+    table = report.table("scale_lm_memory", "scale_lm's train step: memory per device",
+                         baseline="mixed_bfloat16", columns=SCALE_COLUMNS,
+                         description=f"examples/scale_lm.py, {jax.device_count()} CPU devices"
+                                     " (FSDP) and one H100, global batch of 16")
+    for name, run in (("float32", float32), ("mixed_bfloat16", scale_lm.mixed_bfloat16(c, steps)),
+                      ("bf16+fp8 without float8 residuals", without),
+                      ("bf16+fp8 (float8 residuals)", recipe)):
+        figures = scale_row(scale_lm, run, c, meshes)
+        table.add_row(name, figures, note=figures.pop("error", ""))
+    print(harness.render_table(table.to_json()), flush=True)
+    path = args.json or harness.default_json_path("bench_residuals")
+    report.write(path)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

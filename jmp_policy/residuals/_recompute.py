@@ -1,0 +1,174 @@
+"""Fewer arrays to store: residuals that element-wise work makes from one array are
+recomputed from it.
+
+JAX's backward pass keeps every value its rules read: GELU's input and four
+values computed from it, a norm's centered and normalized input, a weight's
+bfloat16 copy. XLA, compiling both passes together, keeps one of them and
+recomputes the rest in the backward pass's kernels. Stored in float8 one by
+one, they would cost more than that one wide array. `plan` finds, in the
+forward pass's jaxpr, the arrays to hand over instead (the **roots**) and the
+element-wise equations that make the residuals from them again:
+
+* a value made by a product, a reduction, a gather, a call or a loop is a root;
+* so is an element-wise value computed from two large roots (a residual
+  connection ``x + f(x)``, a gate ``silu(g) * u``): recomputing it would pull in
+  both, and their own roots;
+* so is ``x - max(x)`` (max-subtracted logits, kept by the rule) and what is
+  computed from it;
+* so is the output of an exponential, a sine, a cosine or a power, whose
+  relative error grows with its input's size: float8 holds ``exp(x)`` to 2**-4,
+  where ``exp`` of a float8 ``x`` is off by a factor ``exp(2**-4 * x)``;
+* any other element-wise value (casts, broadcasts and reshapes included) is
+  recomputed from the one large root it comes from, the small ones (a norm's
+  statistics, under a quarter of its size) and the function's arguments, which
+  are in memory anyway.
+
+>>> import jax, jax.numpy as jnp
+>>> from jmp_policy.residuals._origins import vjp_jaxpr
+>>> def gelu_layer(w, x):
+...     return jnp.sum(jax.nn.gelu(x @ w))
+>>> closed, n, _ = vjp_jaxpr(gelu_layer, [jnp.ones((8, 8)), jnp.ones((4, 8))])
+>>> found = plan(closed.jaxpr, n)
+>>> len(closed.jaxpr.outvars) - n, [str(r.aval) for r in found.roots]   # x @ w: the root
+(9, ['float32[4,8]'])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Collection, NamedTuple, Optional, Sequence
+
+from jax.extend.core import Jaxpr, JaxprEqn, Literal
+
+from jmp_policy.jaxprs import bind
+from jmp_policy.residuals._rule import max_subtracted
+
+_ELEMENTWISE = frozenset({
+    "neg", "sign", "floor", "ceil", "round", "is_finite", "exp", "exp2", "log", "log1p",
+    "expm1", "tanh", "logistic", "sin", "cos", "tan", "sqrt", "rsqrt", "cbrt", "integer_pow",
+    "square", "abs", "erf", "erfc", "erf_inv", "not", "add", "add_any", "sub", "mul", "div",
+    "max", "min", "pow", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "select_n",
+    "clamp", "nextafter", "atan2", "rem", "convert_element_type", "broadcast_in_dim",
+    "reshape", "squeeze", "expand_dims", "copy", "copy_p", "reduce_precision", "iota",
+})
+"""Primitives whose outputs are recomputed rather than stored: element-wise arithmetic,
+casts, and the shape changes that copy nothing."""
+
+_STORED_OUTPUTS = frozenset({"exp", "exp2", "expm1", "sin", "cos", "tan", "pow"})
+"""Element-wise primitives whose outputs are roots: their relative error grows with their
+input's size (``exp(x)`` is off by a factor ``exp(dx)``), so float8's rounding of the input
+would be amplified where float8's rounding of the output is not."""
+
+_SMALL = 4
+"""A root under 1/_SMALL of a value's size is a statistic of it, not a source to count."""
+
+_DEPTH = 24
+"""The longest chain of equations recomputed for a residual."""
+
+
+class Plan(NamedTuple):
+    """How the forward pass hands its residuals over: the ``roots`` (vars of the jaxpr to
+    store, by the rule), the ``inputs`` (its arguments and constants the recomputation
+    reads, in memory anyway), the ``eqns`` that recompute the ``residuals`` (the jaxpr's
+    residual outputs) from both, in program order."""
+
+    roots: tuple[Any, ...]
+    inputs: tuple[Any, ...]
+    eqns: tuple[JaxprEqn, ...]
+    residuals: tuple[Any, ...]
+
+
+def plan(jaxpr: Jaxpr, n_out: int, stored_args: Collection[int] = ()) -> Plan:
+    """The `Plan` of ``jaxpr`` (`vjp_jaxpr`'s: ``n_out`` outputs, then the residuals).
+    The arguments at ``stored_args`` (a loop body's carry, which the loop stacks) are
+    roots; the others are inputs."""
+    free = {v for i, v in enumerate(jaxpr.invars) if i not in stored_args}
+    free |= set(jaxpr.constvars)
+    roots: set[Any] = {jaxpr.invars[i] for i in stored_args}
+    sources: dict[Any, frozenset[Any]] = {}  # recomputable value -> its large roots
+    depth: dict[Any, int] = {}
+    unsafe: set[Any] = set()  # max-subtracted roots, and what reaches them
+    producers: dict[Any, JaxprEqn] = {}
+    for eqn in jaxpr.eqns:
+        for out in eqn.outvars:
+            producers[out] = eqn
+        if not _recomputable(eqn, roots, sources, depth, unsafe, free, producers):
+            roots.update(eqn.outvars)
+    residuals = tuple(jaxpr.outvars[n_out:])
+    needed_roots, inputs, eqns = _needed(residuals, roots, free, producers)
+    order = {id(e): i for i, e in enumerate(jaxpr.eqns)}
+    return Plan(tuple(needed_roots), tuple(inputs),
+                tuple(sorted(eqns, key=lambda e: order[id(e)])), residuals)
+
+
+def _recomputable(eqn: JaxprEqn, roots: set[Any], sources: dict[Any, frozenset[Any]],
+                  depth: dict[Any, int], unsafe: set[Any], free: set[Any],
+                  producers: dict[Any, JaxprEqn]) -> bool:
+    """Whether ``eqn``'s output is recomputed (recording its sources) or a root."""
+    name = eqn.primitive.name
+    if name not in _ELEMENTWISE or name in _STORED_OUTPUTS or len(eqn.outvars) != 1:
+        return False
+    out = eqn.outvars[0]
+    size = _size(out)
+    found: set[Any] = set()
+    deepest = 0
+    for v in eqn.invars:
+        if isinstance(v, Literal) or v in free:
+            continue
+        if v in unsafe:
+            return False  # stored itself, not recomputed from an unsafe root
+        if v in roots:
+            found.add(v)
+        else:
+            found |= sources[v]
+            deepest = max(deepest, depth[v])
+    large = {r for r in found if _size(r) * _SMALL >= size}
+    if len(large) > 1 or deepest + 1 > _DEPTH:
+        return False
+    if max_subtracted(eqn, producers):
+        unsafe.add(out)
+        return False
+    sources[out], depth[out] = frozenset(found), deepest + 1
+    return True
+
+
+def _needed(residuals: Sequence[Any], roots: set[Any], free: set[Any],
+            producers: dict[Any, JaxprEqn]) -> tuple[list[Any], list[Any], list[JaxprEqn]]:
+    """The roots, inputs and equations that recompute ``residuals``, found backwards."""
+    needed_roots: dict[Any, None] = {}
+    inputs: dict[Any, None] = {}
+    eqns: dict[int, JaxprEqn] = {}
+    stack = [v for v in residuals if not isinstance(v, Literal)]
+    seen: set[Any] = set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v in roots:
+            needed_roots[v] = None
+        elif v in free:
+            inputs[v] = None
+        else:
+            eqn = producers[v]
+            eqns[id(eqn)] = eqn
+            stack.extend(u for u in eqn.invars if not isinstance(u, Literal))
+    return list(needed_roots), list(inputs), list(eqns.values())
+
+
+def recompute(found: Plan, values: dict[Any, Any]) -> list[Any]:
+    """The residuals, from ``values`` of the plan's roots and inputs."""
+    env = dict(values)
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for eqn in found.eqns:
+        outs = bind(eqn, [read(v) for v in eqn.invars])
+        env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+    return [read(v) for v in found.residuals]
+
+
+def _size(v: Any) -> int:
+    return math.prod(getattr(v.aval, "shape", ()))
+
