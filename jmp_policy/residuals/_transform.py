@@ -142,7 +142,7 @@ def _store(found: Sequence[Origin], roots: Sequence[Any], rule: Rule,
     `Stored`, and for each its shape and dtype if stored (else ``None``). The arguments at
     ``activations`` count as activations."""
     arrays: list[Any] = []
-    layout = []
+    layout: list[tuple[int, Optional[tuple[tuple[int, ...], Any]]]] = []
     for origin, root in zip(found, roots):
         if origin.kind == "argument" and origin.argument in activations:
             origin = dataclasses.replace(origin, kind="activation")
@@ -156,7 +156,8 @@ def _store(found: Sequence[Origin], roots: Sequence[Any], rule: Rule,
             # The barrier makes XLA write the float8 arrays in the forward pass;
             # without it, fusion moves the rounding into the backward pass and
             # keeps the wide array alive until there.
-            arrays.append(Stored(*lax.optimization_barrier(tuple(store(root)))))
+            arrays.append(Stored(*lax.optimization_barrier(  # type: ignore[no-untyped-call]
+                tuple(store(root)))))
         layout.append((len(layout), (shape, dtype)))
     return arrays, tuple(layout)
 
@@ -164,7 +165,8 @@ def _store(found: Sequence[Origin], roots: Sequence[Any], rule: Rule,
 def _instantiated(cotangent: Any) -> Any:
     """A cotangent the backward rule got, a ``SymbolicZero`` made an array of zeros."""
     if isinstance(cotangent, SymbolicZero):
-        return np.zeros(cotangent.aval.shape, cotangent.aval.dtype)
+        aval: Any = cotangent.aval
+        return np.zeros(aval.shape, aval.dtype)
     return cotangent
 
 
