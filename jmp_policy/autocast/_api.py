@@ -294,7 +294,7 @@ def _interpret(closed: ClosedJaxpr, values: Sequence[Any], settings: _Settings,
         layers = kept_layers(settings.recipe, closed, rules, settings.name)
         rule = float8_matmul(settings.recipe, layers)
     ctx = Context(compute, rules, rule, float8_slots=slots, residuals=settings.residuals)
-    outs = _run(ctx, closed, values, settings.residuals)
+    outs = _run(ctx, closed, values, settings)
     _warn_unmatched(settings, ctx.unmatched_scopes())
     if settings.recipe is not None and not ctx.tallied(FLOAT8_PRODUCTS):
         warnings.warn(
@@ -307,11 +307,12 @@ def _interpret(closed: ClosedJaxpr, values: Sequence[Any], settings: _Settings,
 
 
 def _run(ctx: Context, closed: ClosedJaxpr, values: Sequence[Any],
-         residuals: Optional[Float8Residuals]) -> list[Any]:
-    """``closed`` evaluated under ``ctx``, its residuals kept as ``residuals`` says."""
+         settings: _Settings) -> list[Any]:
+    """``closed`` evaluated under ``ctx``, its residuals kept as ``settings`` say."""
+    residuals = settings.residuals
     if residuals is None:
         return eval_jaxpr(ctx, closed.jaxpr, closed.consts, values)
-    _warn_unmatched_residuals(residuals, closed)
+    _warn_unmatched_residuals(residuals, closed, settings.name)
     # What the evaluation reads besides its values is passed in as arguments, which a
     # custom derivative needs of anything differentiated: the consts, and the amax
     # histories of delayed scaling (their gradient holds what the step observed).
@@ -333,12 +334,13 @@ def _run(ctx: Context, closed: ClosedJaxpr, values: Sequence[Any],
     return in_float8(run, residuals)(*histories, *closed.consts, *values)
 
 
-def _warn_unmatched_residuals(residuals: Float8Residuals, closed: ClosedJaxpr) -> None:
+def _warn_unmatched_residuals(residuals: Float8Residuals, closed: ClosedJaxpr,
+                              name: str) -> None:
     patterns = residuals.exclude
     assert isinstance(patterns, tuple)
     for pattern in unmatched_patterns(patterns, [path for path, _ in scoped_eqns(closed)]):
         warnings.warn(
-            f"Float8Residuals exclude entry {pattern!r} matched no operation of the function "
+            f"Float8Residuals exclude entry {pattern!r} matched no operation of {name} "
             "(none is inside a jax.named_scope or module path it is found in).",
             UnmatchedRuleWarning, stacklevel=5)
 

@@ -42,27 +42,38 @@ from jmp_policy.residuals._rule import Rule
 class Float8Residuals:
     """Autocast's ``residuals=``: the activations a backward pass keeps, stored in float8.
 
-    Every residual that the forward pass hands to the backward pass (what
-    ``jmp_policy.saved_residuals`` lists) is stored as ``float8_e4m3fn``
-    values with one power-of-two scale per block of 32 values along its last
-    axis (MXFP8's format, 1 + 1/32 bytes a value), and loaded back into its
-    dtype where the backward pass reads it, except those the rule keeps:
+    The arrays the backward pass's residuals are made from (its roots: the
+    outputs of products, reductions, calls and loops, of element-wise work on
+    two large roots, and of exponentials) are stored as ``float8_e4m3fn``
+    values with one power-of-two scale per block of 32 values along their last
+    axis (MXFP8's format, 1 + 1/32 bytes a value); the backward pass loads them
+    back into their dtypes and recomputes the element-wise residuals from them,
+    as XLA does for plain residuals. A rule keeps some in their dtype:
     arguments and constants, statistics (a norm's mean and variance, a
     softmax's sum, and what is computed from them alone), max-subtracted
     logits, values already one byte wide, arrays of fewer than 32 values, and
-    residuals made in a scope ``exclude`` names. What a ``jax.checkpoint``
-    policy saves is stored so; what it recomputes is not stored at all.
+    those made in a scope ``exclude`` names. What a ``jax.checkpoint`` policy
+    saves is stored so; what it recomputes is not stored at all.
 
     Attributes:
       exclude: regular expressions searched (``re.search``) in the
-        ``/``-joined scope path of the operation that made a residual
-        (``jax.named_scope`` names, Flax module paths): its residuals stay in
-        their dtype. An entry that matches no operation warns
-        (``UnmatchedRuleWarning``).
+        ``/``-joined scope path of the operation that made a root
+        (``jax.named_scope`` names, Flax module paths): it stays in its dtype.
+        An entry that matches no operation warns (``UnmatchedRuleWarning``).
 
-    >>> import jmp_policy
-    >>> jmp_policy.Float8Residuals(exclude="attention").exclude
-    ('attention',)
+    >>> import jax, jax.numpy as jnp, jmp_policy
+    >>> def loss(w, x):
+    ...     with jax.named_scope("mlp"):
+    ...         h = jnp.tanh(x @ w)
+    ...     with jax.named_scope("head"):
+    ...         return jnp.sum(jnp.tanh(h @ w))
+    >>> f = jmp_policy.autocast(loss, "mixed_bfloat16",
+    ...                         residuals=jmp_policy.Float8Residuals(exclude="head"))
+    >>> report = jmp_policy.saved_residuals(f, jnp.ones((64, 64)), jnp.ones((8, 64)))
+    >>> [(row.scope, row.dtype, row.shape) for row in report if row.kind == "activation"]
+    ... # doctest: +NORMALIZE_WHITESPACE
+    [('head', 'bfloat16', (8, 64)), ('mlp', 'float8_e4m3fn', (8, 64)),
+     ('mlp', 'float8_e8m0fnu', (8, 2))]
     """
 
     exclude: Union[str, Sequence[str]] = ()
