@@ -383,3 +383,36 @@ def test_sharded_jit_and_shard_map_add_no_collective():
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+class ScannedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.gelu(nn.Dense(2 * D)(nn.LayerNorm()(x)))
+        return x + nn.Dense(D)(h), None
+
+
+class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        layers = nn.scan(nn.remat(ScannedBlock, policy=jax.checkpoint_policies.dots_saveable),
+                         variable_axes={"params": 0}, split_rngs={"params": True}, length=4)
+        return layers()(x, None)[0]
+
+
+def test_a_linen_scan_of_checkpointed_blocks_stores_what_the_policy_saves():
+    model = Stack()
+    params = model.init(jax.random.key(0), X)
+
+    def loss(apply):
+        return lambda p, x: jnp.mean(apply(p, x).astype(jnp.float32) ** 2)
+
+    plain = loss(jmp_policy.autocast(model.apply, "mixed_bfloat16"))
+    f8 = loss(jmp_policy.autocast(model.apply, "mixed_bfloat16", residuals="float8"))
+    before = [r for r in activations(jmp_policy.saved_residuals(plain, params, X)) if r.loop]
+    after = [r for r in activations(jmp_policy.saved_residuals(f8, params, X)) if r.loop]
+    # Each layer's input (the carry) and the product the policy saves, per iteration.
+    assert sorted(r.shape for r in before) == [(4, B, D), (4, B, 2 * D)]
+    assert sorted(r.shape for r in after if r.dtype == F8) == [(4, B, D), (4, B, 2 * D)]
+    assert {r.dtype for r in after} == {F8, SCALES}
+    assert 0 < rel(grads(f8, params, X), grads(plain, params, X)) < 0.1
