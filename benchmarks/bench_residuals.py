@@ -26,8 +26,10 @@ XLA:CPU fuses the rounding into the backward pass's kernels, keeping the wide
 activation alive (the optimization barrier that stops this on XLA:GPU is
 removed before XLA:CPU's fusion), so its step temporaries are not the figure
 that float8 residuals change: the H100 columns are. The deviceless H100 compile
-cannot tile the example LM's float32 products for Triton's GEMMs, so every H100
-figure is compiled with ``--xla_gpu_enable_triton_gemm=false`` (cuBLAS GEMMs).
+cannot tile the example LM's float32 products for Triton's GEMMs, so the
+example LM's H100 figures are compiled with ``xla_gpu_enable_triton_gemm``
+off (cuBLAS GEMMs), except where cuBLAS refuses a product (the block-scaled
+recipes), which keep Triton's.
 
 Run from the repository root (the H100 columns need the CUDA plugin, see
 ``bench_xla_gpu_memory``; 8 CPU devices are simulated here)::
@@ -48,11 +50,9 @@ if __name__ == "__main__" and "jax" not in sys.modules:
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    # XLA:GPU's deviceless compile cannot tile the example LM's float32 products for
-    # Triton's GEMMs (nothing to autotune on): every H100 figure is with cuBLAS GEMMs.
-    os.environ["XLA_FLAGS"] += " --xla_gpu_enable_triton_gemm=false"
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 from typing import Any, Callable, Dict, List, Optional  # noqa: E402
 
 import jax  # noqa: E402
@@ -78,9 +78,9 @@ LM_RUNS: Dict[str, Dict[str, Any]] = {
 """Keyword arguments of the example's ``make_train_step`` (and its policy)."""
 
 LM_COLUMNS = [
-    harness.Column("residuals", "residual bytes / token", "bytes"),
-    harness.Column("temp", "step temporaries / token", "bytes"),
-    harness.Column("temp_h100", "step temporaries / token, H100", "bytes"),
+    harness.Column("residuals", "residuals / token", "KiB"),
+    harness.Column("temp", "step temporaries / token", "KiB"),
+    harness.Column("temp_h100", "step temporaries / token, H100", "KiB"),
 ]
 SCALE_COLUMNS = [
     harness.Column(f"{what}{where}", f"{label}{title}", "bytes")
@@ -91,8 +91,9 @@ SCALE_COLUMNS = [
 
 
 def per_token(measure: Callable[[int], float], seq: int) -> float:
-    """What a token adds to ``measure(batch)``: between batches of 16 and 32."""
-    return (measure(32) - measure(16)) / (16 * (seq - 1))
+    """What a token adds to ``measure(batch)`` (bytes), in KiB: between batches of 16 and
+    32."""
+    return round((measure(32) - measure(16)) / (16 * (seq - 1)) / 1024, 2)
 
 
 def lm_row(lm: Any, options: Dict[str, Any], h100: Optional[Any]) -> Dict[str, float]:
@@ -107,10 +108,17 @@ def lm_row(lm: Any, options: Dict[str, Any], h100: Optional[Any]) -> Dict[str, f
 
     def temp(batch: int, sharding: Any = None) -> float:
         args = (params, jnp.zeros((batch, seq), jnp.int32))
-        if sharding is not None:
-            args = harness.on_target(args, sharding)
-        step = jax.jit(jax.grad(loss)).lower(*args).compile()
-        return step.memory_analysis().temp_size_in_bytes
+        if sharding is None:
+            return jax.jit(jax.grad(loss)).lower(*args).compile().memory_analysis() \
+                .temp_size_in_bytes
+        lowered = jax.jit(jax.grad(loss)).lower(*harness.on_target(args, sharding))
+        try:
+            # The deviceless compile cannot tile the example's float32 products for
+            # Triton's GEMMs (nothing to autotune on): cuBLAS's, where it takes them.
+            compiled = lowered.compile({"xla_gpu_enable_triton_gemm": False})
+        except Exception:  # block-scaled products, which cuBLAS does not take here
+            compiled = lowered.compile()
+        return compiled.memory_analysis().temp_size_in_bytes
 
     row: Dict[str, Any] = {"residuals": per_token(residual_bytes, seq),
                            "temp": per_token(temp, seq)}
@@ -132,7 +140,11 @@ def _or_error(figure: Callable[[], float], row: Dict[str, Any]) -> Optional[floa
 def scale_row(scale_lm: Any, run: Any, c: Any, meshes: Dict[str, Any]) -> Dict[str, Any]:
     row: Dict[str, Any] = {}
     for where, mesh in meshes.items():
-        memory = _or_error(lambda: scale_lm.step_memory(run, c, mesh), row)
+        # A deviceless compile cannot lower the host callback of low_precision_params'
+        # misuse check: on the H100 it returns zeros on the device instead.
+        on_device = harness.callbacks_on_device() if where else contextlib.nullcontext()
+        with on_device:
+            memory = _or_error(lambda: scale_lm.step_memory(run, c, mesh), row)
         if memory is not None:
             args, temp = memory.argument_size_in_bytes, memory.temp_size_in_bytes
             row.update({f"args{where}": args, f"temp{where}": temp, f"peak{where}": args + temp})
@@ -150,29 +162,21 @@ def h100_mesh() -> Optional[Any]:
     return jax.sharding.Mesh(devices, ("data",), axis_types=(AxisType.Auto,))
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", nargs="+", default=None, help=f"of {list(LM_RUNS)}")
-    parser.add_argument("--json", help="default: benchmarks/results/bench_residuals.json")
-    args = parser.parse_args(argv)
-    lm = harness.load_file("examples/transformer_lm.py")
-    scale_lm = harness.load_file("examples/scale_lm.py")
-    h100 = h100_mesh()
-    report = harness.Report("bench_residuals", __doc__.split("\n")[0], vars(args), argv,
-                            env=harness.environment())
-
+def lm_table(report: Any, lm: Any, h100: Optional[Any], runs: Optional[List[str]]) -> None:
     table = report.table("lm_residuals", "example LM: what the backward pass keeps, per token",
                          baseline="mixed_bfloat16", columns=LM_COLUMNS,
                          description="examples/transformer_lm.py, batches of 16 and 32")
     sharding = None if h100 is None else jax.sharding.NamedSharding(
         h100, jax.sharding.PartitionSpec())
     for name, options in LM_RUNS.items():
-        if args.runs is None or name in args.runs:
+        if runs is None or name in runs:
             figures = lm_row(lm, options, sharding)
             table.add_row(name, figures, note=figures.pop("error", ""))
             print(f"  {name}: {table.rows[-1]['figures']}", flush=True)
     print(harness.render_table(table.to_json()), flush=True)
 
+
+def scale_table(report: Any, scale_lm: Any, h100: Optional[Any]) -> None:
     c, steps = scale_lm.Config(), 300
     meshes = {"": jax.make_mesh((jax.device_count(),), ("data",),
                                 axis_types=(AxisType.Auto,))}
@@ -190,6 +194,25 @@ def main(argv: Optional[List[str]] = None) -> int:
         figures = scale_row(scale_lm, run, c, meshes)
         table.add_row(name, figures, note=figures.pop("error", ""))
     print(harness.render_table(table.to_json()), flush=True)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", nargs="+", default=None, help=f"of {list(LM_RUNS)}")
+    parser.add_argument("--tables", nargs="+", default=["lm_residuals", "scale_lm_memory"],
+                        help="the tables to measure (default both)")
+    parser.add_argument("--json", help="default: benchmarks/results/bench_residuals.json")
+    args = parser.parse_args(argv)
+    lm = harness.load_file("examples/transformer_lm.py")
+    scale_lm = harness.load_file("examples/scale_lm.py")
+    h100 = h100_mesh()
+    report = harness.Report("bench_residuals", __doc__.split("\n")[0], vars(args), argv,
+                            env=harness.environment())
+
+    if "lm_residuals" in args.tables:
+        lm_table(report, lm, h100, args.runs)
+    if "scale_lm_memory" in args.tables:
+        scale_table(report, scale_lm, h100)
     path = args.json or harness.default_json_path("bench_residuals")
     report.write(path)
     print(f"wrote {path}")

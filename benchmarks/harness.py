@@ -739,8 +739,8 @@ def measure(cases: Sequence[Case], *, compile_rounds: int = 1, rounds: int = 10,
 class Column:
     """A table column: figure ``key``, its ``label`` and ``unit``.
 
-    ``unit`` is "s", "bytes", "count", "x" (a ratio already), "bool" or "" (a
-    plain number). ``ratio``: whether markdown shows the ratio to the baseline
+    ``unit`` is "s", "bytes", "KiB" (a figure already in KiB), "count", "x" (a ratio
+    already), "bool" or "" (a plain number). ``ratio``: whether markdown shows the ratio to the baseline
     (the JSON always has it); not for figures whose baseline can be ~0.
     """
 
@@ -882,6 +882,8 @@ def format_figure(value: Any, unit: str) -> str:
     if unit == "bytes":
         mib = value / 2**20
         return f"{mib:.1f} MiB" if mib < 100 else f"{mib:.0f} MiB"
+    if unit == "KiB":
+        return f"{value:.2f} KiB"
     if unit == "count":
         return f"{int(value)}"
     if unit == "x":
