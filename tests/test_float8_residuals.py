@@ -251,6 +251,7 @@ def test_what_a_checkpoint_policy_saves_is_what_is_stored(policy, kept):
     assert rel(grads(f8, W1, W2, X), want) < 0.08
 
 
+@pytest.mark.slow  # integration with the recipes, modules and meshes
 @pytest.mark.parametrize("fp8", ["tensorwise", "rowwise", "mxfp8", "nvfp4"])
 def test_every_float8_recipe_composes(fp8):
     f = jmp_policy.autocast(mlp, "mixed_bfloat16", fp8=fp8)
@@ -265,6 +266,7 @@ def test_every_float8_recipe_composes(fp8):
     assert rel(got, grads(f, W1, W2, X, argnums=(0, 1))) < (0.5 if fp8 == "nvfp4" else 0.15)
 
 
+@pytest.mark.slow  # integration with the recipes, modules and meshes
 def test_delayed_scaling_records_its_maxima():
     recipe = jmp_policy.Float8Recipe("delayed", amax_history_length=4)
     f8 = jmp_policy.autocast(mlp, "mixed_bfloat16", fp8=recipe, residuals="float8")
@@ -322,6 +324,7 @@ def test_a_linen_model():
     assert 0 < rel(grads(f8, params, X), want) < 0.1
 
 
+@pytest.mark.slow  # integration with the recipes, modules and meshes
 def test_an_nnx_model_and_an_equinox_model():
     class Mlp(nnx.Module):
         def __init__(self, rngs):
@@ -354,6 +357,7 @@ def test_an_nnx_model_and_an_equinox_model():
 
 # --- Sharding ------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # integration with the recipes, modules and meshes
 def test_sharded_jit_and_shard_map_add_no_collective():
     script = textwrap.dedent("""
         import re, jax, jax.numpy as jnp, numpy as np, jmp_policy
@@ -400,6 +404,7 @@ class Stack(nn.Module):
         return layers()(x, None)[0]
 
 
+@pytest.mark.slow  # integration with the recipes, modules and meshes
 def test_a_linen_scan_of_checkpointed_blocks_stores_what_the_policy_saves():
     model = Stack()
     params = model.init(jax.random.key(0), X)
