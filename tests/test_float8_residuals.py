@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import warnings
 
 import equinox as eqx
 import flax.linen as nn
@@ -22,7 +21,7 @@ import pytest
 from flax import nnx
 
 import jmp_policy
-from jmp_policy.residuals import Stored, load, store
+from jmp_policy.residuals import load, store
 
 B, D = 32, 64
 F8, SCALES = "float8_e4m3fn", "float8_e8m0fnu"

@@ -26,7 +26,7 @@ import dataclasses
 import inspect
 import json
 from collections.abc import Sequence as SequenceABC
-from typing import Any, Callable, Hashable, Iterator, Literal, Optional, Sequence, Union, overload
+from typing import Any, Callable, Hashable, Iterator, Optional, Sequence, Union, overload
 
 import jax
 import numpy as np

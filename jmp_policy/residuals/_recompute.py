@@ -36,7 +36,7 @@ element-wise equations that make the residuals from them again:
 from __future__ import annotations
 
 import math
-from typing import Any, Collection, NamedTuple, Optional, Sequence
+from typing import Any, Collection, NamedTuple, Sequence
 
 from jax.extend.core import Jaxpr, JaxprEqn, Literal
 

@@ -44,7 +44,6 @@ from jmp_policy.residuals._origins import Origin
 
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
                          "reduce_and", "reduce_or", "argmax", "argmin"})
-_PRODUCTS = frozenset({"dot_general", "ragged_dot_general", "conv_general_dilated"})
 
 
 class Rule:
@@ -99,8 +98,7 @@ class _Graph:
             self.statistics[id(eqn)] = False  # while the operands are looked at
             name = eqn.primitive.name
             known = name in _REDUCTIONS or (
-                name not in _PRODUCTS and not sub_jaxprs(eqn)
-                and all(self._constant_or_statistic(v) for v in eqn.invars))
+                not sub_jaxprs(eqn) and all(self._constant_or_statistic(v) for v in eqn.invars))
             self.statistics[id(eqn)] = known
         return known
 
