@@ -2,9 +2,10 @@
 
 Dtype policies (Keras / jmp names), loss scaling and low-precision optimizer
 states as optax transformations, per-operation autocast with float8 and
-block-scaled products, a numerics inspector, and Flax integration
-(``jmp_policy.flax``, optional). One package per feature (``policy``,
-``optim``, ``float8``, ``autocast``, ``inspector``, ``flax``) on a core of
+block-scaled products and float8 residuals, a numerics inspector, and Flax
+integration (``jmp_policy.flax``, optional). One package per feature
+(``policy``, ``optim``, ``float8``, ``residuals``, ``autocast``,
+``inspector``, ``flax``) on a core of
 number formats (``formats``), dtypes, paths, shardings and jaxprs; every
 public name is here.
 

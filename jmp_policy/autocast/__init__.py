@@ -39,6 +39,10 @@ on float8 operands with current scaling instead, or on block-scaled MXFP8 and
 NVFP4 operands; every such product, forward and backward, is
 ``jmp_policy.float8.quantized_product`` (see ``_float8``).
 
+With ``residuals="float8"`` (or a `jmp_policy.Float8Residuals`), the arrays the
+backward pass keeps are stored in float8 and the element-wise residuals
+recomputed from them (``jmp_policy.residuals``).
+
 A primitive that autocast does not know, and that has floating inputs, is
 evaluated at the dtypes it was traced with, with one `AutocastWarning` per
 trace naming it.
