@@ -57,6 +57,11 @@ Commands (from the repository root)::
     python -m benchmarks.bench_fp8 --training --seeds 0 1 2 3 4 \
         --runs "delayed, history 16" "delayed, most recent" \
         --json benchmarks/results/bench_fp8_training_delayed_variants.json
+    # float8 residuals (autocast's residuals="float8") with each recipe, ~60 min:
+    python -m benchmarks.bench_fp8 --training --seeds 0 1 2 3 4 --workers 2 \
+        --runs mixed_bfloat16 "float8 residuals" "tensorwise, float8 residuals" \
+               "rowwise, float8 residuals" "mxfp8, float8 residuals" \
+        --json benchmarks/results/bench_fp8_training_residuals.json
 """
 
 from __future__ import annotations
@@ -130,6 +135,11 @@ TRAINING_RUNS: dict[str, Any] = {
     "nvfp4, bf16 last 10%": ("nvfp4", 0.1),
     "mxfp8, batched=False": R("mxfp8", batched=False),
     "nvfp4, Four Over Six": R("nvfp4", four_over_six=True),
+    "nvfp4, Four Over Six, last block bf16":
+        R("nvfp4", four_over_six=True, high_precision_layers=(0, 1)),
+    "nvfp4, Hadamard, 16x16 weight tiles, Four Over Six, last block bf16":
+        R("nvfp4", hadamard=True, tiled_weights=True, four_over_six=True,
+          high_precision_layers=(0, 1)),
     # Float8 residuals (autocast's residuals="float8"), with and without float8 products.
     "float8 residuals": {"residuals": "float8"},
     "tensorwise, float8 residuals": {"fp8": "tensorwise", "residuals": "float8"},
