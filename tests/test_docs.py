@@ -293,7 +293,8 @@ def test_nvfp4_ablation_table_matches_its_reports():
     text = (DOCS / "fp8.md").read_text()
     runs = {}
     for report in ("bench_fp8_training_nvfp4.json", "bench_fp8_training_nvfp4_defaults.json",
-                   "bench_fp8_training_nvfp4_four_over_six.json"):
+                   "bench_fp8_training_nvfp4_four_over_six.json",
+                   "bench_fp8_training_nvfp4_combined.json"):
         assert f"--json benchmarks/results/{report}" in text, report  # its command is shown
         table = json.loads((ROOT / "benchmarks" / "results" / report).read_text())["tables"][0]
         for row in table["rows"]:
