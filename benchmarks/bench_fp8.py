@@ -146,6 +146,7 @@ TRAINING_RUNS: dict[str, Any] = {
     "rowwise, float8 residuals": {"fp8": "rowwise", "residuals": "float8"},
     "mxfp8, float8 residuals": {"fp8": "mxfp8", "residuals": "float8"},
     "nvfp4, float8 residuals": {"fp8": "nvfp4", "residuals": "float8"},
+    "delayed, float8 residuals": {"fp8": "delayed", "residuals": "float8"},
 }
 
 
