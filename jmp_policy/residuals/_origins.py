@@ -108,6 +108,12 @@ class Producers:
                 v: (i, eqn) for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars})
         return made[1]
 
+    def eqn(self, jaxpr: Jaxpr, atom: Any) -> Optional[JaxprEqn]:
+        """The equation of ``jaxpr`` that computes ``atom``; ``None`` for a literal, an
+        input or a constant."""
+        found = None if isinstance(atom, JaxprLiteral) else self.of(jaxpr).get(atom)
+        return None if found is None else found[1]
+
 
 def origin_of(atom: Any, frame: Frame, producers: Producers) -> Origin:
     """Where the value ``atom`` of ``frame``'s jaxpr was computed, through calls and loops."""

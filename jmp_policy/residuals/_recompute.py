@@ -35,13 +35,15 @@ element-wise equations that make the residuals from them again:
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Collection, NamedTuple, Sequence
+from typing import Any, Collection, NamedTuple, Optional, Sequence
 
 from jax.extend.core import Jaxpr, JaxprEqn, Literal
 
 from jmp_policy.jaxprs import bind
-from jmp_policy.residuals._rule import max_subtracted
+from jmp_policy.residuals._origins import Producers
+from jmp_policy.residuals._rule import Producer, max_subtracted
 
 _ELEMENTWISE = frozenset({
     "neg", "sign", "floor", "ceil", "round", "is_finite", "exp", "exp2", "log", "log1p",
@@ -78,32 +80,30 @@ class Plan(NamedTuple):
     residuals: tuple[Any, ...]
 
 
-def plan(jaxpr: Jaxpr, n_out: int, stored_args: Collection[int] = ()) -> Plan:
+def plan(jaxpr: Jaxpr, n_out: int, stored_args: Collection[int] = (),
+         producers: Optional[Producers] = None) -> Plan:
     """The `Plan` of ``jaxpr`` (`vjp_jaxpr`'s: ``n_out`` outputs, then the residuals).
     The arguments at ``stored_args`` (a loop body's carry, which the loop stacks) are
     roots; the others are inputs."""
+    producers = Producers() if producers is None else producers
+    index, producer = producers.of(jaxpr), functools.partial(producers.eqn, jaxpr)
     free = {v for i, v in enumerate(jaxpr.invars) if i not in stored_args}
     free |= set(jaxpr.constvars)
     roots: set[Any] = {jaxpr.invars[i] for i in stored_args}
     sources: dict[Any, frozenset[Any]] = {}  # recomputable value -> its large roots
     depth: dict[Any, int] = {}
-    unsafe: set[Any] = set()  # max-subtracted roots, and what reaches them
-    producers: dict[Any, JaxprEqn] = {}
+    unsafe: set[Any] = set()  # max-subtracted roots: what reads them is a root too
     for eqn in jaxpr.eqns:
-        for out in eqn.outvars:
-            producers[out] = eqn
-        if not _recomputable(eqn, roots, sources, depth, unsafe, free, producers):
+        if not _recomputable(eqn, roots, sources, depth, unsafe, free, producer):
             roots.update(eqn.outvars)
     residuals = tuple(jaxpr.outvars[n_out:])
-    needed_roots, inputs, eqns = _needed(residuals, roots, free, producers)
-    order = {id(e): i for i, e in enumerate(jaxpr.eqns)}
-    return Plan(tuple(needed_roots), tuple(inputs),
-                tuple(sorted(eqns, key=lambda e: order[id(e)])), residuals)
+    needed_roots, inputs, eqns = _needed(residuals, roots, free, index)
+    return Plan(tuple(needed_roots), tuple(inputs), tuple(eqns), residuals)
 
 
 def _recomputable(eqn: JaxprEqn, roots: set[Any], sources: dict[Any, frozenset[Any]],
                   depth: dict[Any, int], unsafe: set[Any], free: set[Any],
-                  producers: dict[Any, JaxprEqn]) -> bool:
+                  producer: Producer) -> bool:
     """Whether ``eqn``'s output is recomputed (recording its sources) or a root."""
     name = eqn.primitive.name
     if name not in _ELEMENTWISE or name in _STORED_OUTPUTS or len(eqn.outvars) != 1:
@@ -125,7 +125,7 @@ def _recomputable(eqn: JaxprEqn, roots: set[Any], sources: dict[Any, frozenset[A
     large = {r for r in found if _size(r) * _SMALL >= size}
     if len(large) > 1 or deepest + 1 > _DEPTH:
         return False
-    if max_subtracted(eqn, producers):
+    if max_subtracted(eqn, producer):
         unsafe.add(out)
         return False
     sources[out], depth[out] = frozenset(found), deepest + 1
@@ -133,11 +133,13 @@ def _recomputable(eqn: JaxprEqn, roots: set[Any], sources: dict[Any, frozenset[A
 
 
 def _needed(residuals: Sequence[Any], roots: set[Any], free: set[Any],
-            producers: dict[Any, JaxprEqn]) -> tuple[list[Any], list[Any], list[JaxprEqn]]:
-    """The roots, inputs and equations that recompute ``residuals``, found backwards."""
+            index: dict[Any, tuple[int, JaxprEqn]]
+            ) -> tuple[list[Any], list[Any], list[JaxprEqn]]:
+    """The roots, inputs and equations (in program order) that recompute ``residuals``,
+    found backwards; ``index`` is `Producers.of` the jaxpr."""
     needed_roots: dict[Any, None] = {}
     inputs: dict[Any, None] = {}
-    eqns: dict[int, JaxprEqn] = {}
+    eqns: dict[int, JaxprEqn] = {}  # by place in the program
     stack = [v for v in residuals if not isinstance(v, Literal)]
     seen: set[Any] = set()
     while stack:
@@ -150,10 +152,10 @@ def _needed(residuals: Sequence[Any], roots: set[Any], free: set[Any],
         elif v in free:
             inputs[v] = None
         else:
-            eqn = producers[v]
-            eqns[id(eqn)] = eqn
+            place, eqn = index[v]
+            eqns[place] = eqn
             stack.extend(u for u in eqn.invars if not isinstance(u, Literal))
-    return list(needed_roots), list(inputs), list(eqns.values())
+    return list(needed_roots), list(inputs), [eqns[k] for k in sorted(eqns)]
 
 
 def recompute(found: Plan, values: dict[Any, Any]) -> list[Any]:

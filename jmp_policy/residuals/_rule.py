@@ -31,7 +31,9 @@ or change the gradient beyond float8's rounding of an activation:
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import functools
+
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Literal
@@ -40,7 +42,11 @@ from jmp_policy.dtypes import is_floating_dtype
 from jmp_policy.jaxprs import sub_jaxprs
 from jmp_policy.paths import search_scopes
 from jmp_policy.residuals._format import BLOCK
-from jmp_policy.residuals._origins import Origin
+from jmp_policy.residuals._origins import Origin, Producers
+
+Producer = Callable[[Any], Optional[JaxprEqn]]
+"""The equation computing a variable of a jaxpr (``None`` for a literal, an input, a
+constant)."""
 
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
                          "reduce_and", "reduce_or", "argmax", "argmin"})
@@ -50,8 +56,10 @@ class Rule:
     """The rule above, for the residuals of one forward pass (a jaxpr's equations are
     indexed once)."""
 
-    def __init__(self, exclude: Sequence[str] = ()) -> None:
+    def __init__(self, exclude: Sequence[str] = (),
+                 producers: Optional[Producers] = None) -> None:
         self.exclude = tuple(exclude)
+        self._producers = Producers() if producers is None else producers
         self._graphs: dict[int, tuple[Jaxpr, _Graph]] = {}
 
     def why_kept(self, origin: Origin, shape: tuple[int, ...], dtype: Any) -> Optional[str]:
@@ -70,7 +78,7 @@ class Rule:
         graph = self._graph(jaxpr)
         if graph.statistic(eqn):
             return "a statistic"
-        if max_subtracted(eqn, graph.producers):
+        if max_subtracted(eqn, graph.producer):
             return "max-subtracted"
         if not shape or int(np.prod(shape, dtype=np.int64)) < BLOCK:
             return "small"
@@ -79,15 +87,17 @@ class Rule:
     def _graph(self, jaxpr: Jaxpr) -> _Graph:
         made = self._graphs.get(id(jaxpr))
         if made is None:
-            made = self._graphs[id(jaxpr)] = (jaxpr, _Graph(jaxpr))  # holds the jaxpr: ids stay
+            made = self._graphs[id(jaxpr)] = (  # holds the jaxpr: its id stays its own
+                jaxpr, _Graph(jaxpr, functools.partial(self._producers.eqn, jaxpr)))
         return made[1]
 
 
 class _Graph:
-    """The equations of one jaxpr, by the variables they compute."""
+    """The statistics among one jaxpr's equations (``producer``: the equation computing a
+    variable of it)."""
 
-    def __init__(self, jaxpr: Jaxpr) -> None:
-        self.producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    def __init__(self, jaxpr: Jaxpr, producer: Producer) -> None:
+        self.producer = producer
         self.constvars = set(jaxpr.constvars)
         self.statistics: dict[int, bool] = {}
 
@@ -105,19 +115,19 @@ class _Graph:
     def _constant_or_statistic(self, atom: Any) -> bool:
         if isinstance(atom, Literal) or atom in self.constvars:
             return True
-        eqn = self.producers.get(atom)
+        eqn = self.producer(atom)
         return eqn is not None and self.statistic(eqn)
 
 
-def max_subtracted(eqn: JaxprEqn, producers: dict[Any, JaxprEqn]) -> bool:
+def max_subtracted(eqn: JaxprEqn, producer: Producer) -> bool:
     """Whether ``eqn`` is ``x - m`` with ``m`` computed from a ``reduce_max`` (within 8
     equations, through broadcasts and ``stop_gradient``): a softmax's shifted logits."""
-    return eqn.primitive.name == "sub" and _reaches(eqn.invars[1], "reduce_max", producers, 8)
+    return eqn.primitive.name == "sub" and _reaches(eqn.invars[1], "reduce_max", producer, 8)
 
 
-def _reaches(atom: Any, primitive: str, producers: dict[Any, JaxprEqn], steps: int) -> bool:
-    eqn = None if isinstance(atom, Literal) else producers.get(atom)
+def _reaches(atom: Any, primitive: str, producer: Producer, steps: int) -> bool:
+    eqn = producer(atom)
     if eqn is None or steps == 0:
         return False
     return eqn.primitive.name == primitive or any(
-        _reaches(v, primitive, producers, steps - 1) for v in eqn.invars)
+        _reaches(v, primitive, producer, steps - 1) for v in eqn.invars)

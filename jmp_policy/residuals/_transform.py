@@ -118,15 +118,16 @@ def in_float8(fn: Callable[..., list[Any]], residuals: Float8Residuals,
         args = [p.value for p in primals]
         wrt = [i for i, p in enumerate(primals) if p.perturbed]
         closed, n_out, trees = vjp_jaxpr(fn, args, wrt)
-        found = plan(closed.jaxpr, n_out, activations)
+        producers = Producers()  # each jaxpr's equations indexed once, for all three uses
+        found = plan(closed.jaxpr, n_out, activations, producers)
         # The forward pass returns the roots rather than the residuals made from them.
         handing = closed.jaxpr.replace(outvars=[*closed.jaxpr.outvars[:n_out], *found.roots])
         flat = jaxpr_as_fun(ClosedJaxpr(handing, closed.consts))(*args)
         values = dict(zip([*closed.jaxpr.invars, *closed.jaxpr.constvars],
                           [*args, *closed.consts]))
-        top, producers = Frame(closed.jaxpr), Producers()
+        top = Frame(closed.jaxpr)
         arrays, layout = _store([origin_of(v, top, producers) for v in found.roots],
-                                flat[n_out:], Rule(residuals.exclude), activations)
+                                flat[n_out:], Rule(residuals.exclude, producers), activations)
         arrays += [values[v] for v in found.inputs]
         return flat[:n_out], _Saved(arrays, (trees[1], found, layout, tuple(wrt), len(args)))
 
