@@ -36,7 +36,8 @@ import math
 import warnings
 from collections.abc import Sequence as SequenceABC
 from typing import (
-    Any, Callable, Iterator, Literal, Mapping, Optional, Sequence, Union, overload)
+    Any, Callable, Iterator, Literal, Mapping, Optional, Self, Sequence, TypeVar, Union,
+    overload)
 
 import jax
 import numpy as np
@@ -163,7 +164,36 @@ class _Meta:
     gradient_max: float = 0.0
 
 
-class NumericsReport(SequenceABC[NumericsRow]):
+RowT = TypeVar("RowT")
+
+
+class Rows(SequenceABC[RowT]):
+    """A report's rows as a sequence (``len``, iteration, indexing); a slice is a report
+    of the same kind and ``meta``, what the report keeps besides its rows."""
+
+    def __init__(self, rows: Sequence[RowT], meta: Any):
+        self._rows = tuple(rows)
+        self._meta = meta
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, index: int) -> RowT: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Self: ...
+
+    def __getitem__(self, index: Union[int, slice]) -> Union[RowT, Self]:
+        if isinstance(index, slice):
+            return type(self)(self._rows[index], self._meta)
+        return self._rows[index]
+
+    def __iter__(self) -> Iterator[RowT]:
+        return iter(self._rows)
+
+
+class NumericsReport(Rows[NumericsRow]):
     """The rows of an inspection (see `inspect_numerics`), with what to do about them.
 
     A report is a sequence of `NumericsRow` in program order (``report[0]``,
@@ -182,31 +212,12 @@ class NumericsReport(SequenceABC[NumericsRow]):
     "Next: autocast(layer, 'mixed_float16', rules={'float32_scopes': ['boom']})"
     """
 
-    def __init__(self, rows: Sequence[NumericsRow], meta: _Meta):
-        self._rows = tuple(rows)
-        self._meta = meta
+    _meta: _Meta
 
     @property
     def rows(self) -> list[NumericsRow]:
         """The rows, one per operation with floating results, in program order."""
         return list(self._rows)
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    @overload
-    def __getitem__(self, index: int) -> NumericsRow: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> NumericsReport: ...
-
-    def __getitem__(self, index: Union[int, slice]) -> Union[NumericsRow, NumericsReport]:
-        if isinstance(index, slice):
-            return NumericsReport(self._rows[index], self._meta)
-        return self._rows[index]
-
-    def __iter__(self) -> Iterator[NumericsRow]:
-        return iter(self._rows)
 
     def worst(self, n: int = 10) -> NumericsReport:
         """The ``n`` riskiest rows: most overflow first, then most underflow, then

@@ -25,8 +25,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-from collections.abc import Sequence as SequenceABC
-from typing import Any, Callable, Hashable, Iterator, Optional, Sequence, Union, overload
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -34,7 +33,8 @@ from jax.extend.core import ClosedJaxpr
 
 from jmp_policy.autocast import modules as _modules
 from jmp_policy.autocast.modules import Call
-from jmp_policy.inspector._report import Argnums, _argnums, _differentiated, _function_name
+from jmp_policy.inspector._report import (
+    Argnums, Rows, _argnums, _differentiated, _function_name)
 from jmp_policy.residuals import Kind, Origin, origins
 from jmp_policy.paths import display_scope, path_str
 
@@ -74,7 +74,7 @@ class ResidualRow:
     loop: Optional[str] = None
 
 
-class ResidualReport(SequenceABC[ResidualRow]):
+class ResidualReport(Rows[ResidualRow]):
     """The residuals of a function's backward pass (see `saved_residuals`).
 
     A report is a sequence of `ResidualRow` (``jmp_policy.inspector``): the
@@ -95,31 +95,12 @@ class ResidualReport(SequenceABC[ResidualRow]):
     ({'block': 32}, 24)
     """
 
-    def __init__(self, rows: Sequence[ResidualRow], name: str):
-        self._rows = tuple(rows)
-        self._name = name
+    _meta: str  # the function's name
 
     @property
     def rows(self) -> list[ResidualRow]:
         """The rows: activations in program order, then arguments and constants."""
         return list(self._rows)
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    @overload
-    def __getitem__(self, index: int) -> ResidualRow: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> ResidualReport: ...
-
-    def __getitem__(self, index: Union[int, slice]) -> Union[ResidualRow, ResidualReport]:
-        if isinstance(index, slice):
-            return ResidualReport(self._rows[index], self._name)
-        return self._rows[index]
-
-    def __iter__(self) -> Iterator[ResidualRow]:
-        return iter(self._rows)
 
     @property
     def total_bytes(self) -> int:
@@ -151,22 +132,22 @@ class ResidualReport(SequenceABC[ResidualRow]):
     def largest(self, n: int = 10) -> ResidualReport:
         """The ``n`` largest activations, largest first (program order among equals)."""
         ranked = sorted((r for r in self._rows if r.kind == "activation"), key=lambda r: -r.bytes)
-        return ResidualReport(ranked[:n], self._name)
+        return ResidualReport(ranked[:n], self._meta)
 
     def __str__(self) -> str:
         """The rows as a table, with the totals: activations by top-level scope, and
         the arguments kept."""
-        return _table(self._rows, self._name, self.total_bytes, self.argument_bytes,
+        return _table(self._rows, self._meta, self.total_bytes, self.argument_bytes,
                       self.by_scope())
 
     def __repr__(self) -> str:
-        return (f"<ResidualReport of {self._name}: {len(self._rows)} rows, "
+        return (f"<ResidualReport of {self._meta}: {len(self._rows)} rows, "
                 f"{_size(self.total_bytes)} of activations>")
 
     def to_json(self) -> str:
         """The report as a JSON object: ``function``, the totals and ``rows``."""
         document = {
-            "function": self._name, "total_bytes": self.total_bytes,
+            "function": self._meta, "total_bytes": self.total_bytes,
             "argument_bytes": self.argument_bytes,
             "rows": [{**dataclasses.asdict(r), "shape": list(r.shape)} for r in self._rows],
         }
