@@ -2,7 +2,8 @@
 
 `bind` evaluates an equation again; `sub_jaxprs` finds the jaxprs a
 higher-order equation holds (a ``jit``'s body, a ``cond``'s branches) and
-`scoped_eqns` walks every equation, nested ones included, with its scope path.
+`scoped_eqns` walks every equation, nested ones included, with its scope path;
+`scan_sizes` reads a ``scan``'s operand counts on every supported JAX.
 
 >>> import jax, jax.numpy as jnp
 >>> eqn = jax.make_jaxpr(jnp.sin)(1.0).jaxpr.eqns[0]
@@ -24,7 +25,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from jmp_policy.paths import join_scope
 
-__all__ = ["Kept", "bind", "scoped_eqns", "sub_jaxprs"]
+__all__ = ["Kept", "bind", "scan_sizes", "scoped_eqns", "sub_jaxprs"]
 
 T = TypeVar("T")
 
@@ -45,6 +46,22 @@ def sub_jaxprs(eqn: JaxprEqn, param: Optional[str] = None) -> list[Jaxpr]:
             for value in values
             for x in (value if isinstance(value, (tuple, list)) else (value,))
             if isinstance(x, (Jaxpr, ClosedJaxpr))]
+
+
+def scan_sizes(params: Any) -> tuple[int, int]:
+    """``(constants, carries)``: how many of a ``scan`` equation's operands are each (its
+    ``xs`` follow them), from its parameters.
+
+    >>> import jax, jax.numpy as jnp
+    >>> step = lambda c, x: (c + x, x)
+    >>> eqn = jax.make_jaxpr(lambda xs: jax.lax.scan(step, 0.0, xs))(jnp.ones(3)).eqns[0]
+    >>> scan_sizes(eqn.params)
+    (0, 1)
+    """
+    if "num_consts" in params:  # jax 0.10
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].unpack()  # jax >= 0.11: a flat tree (consts, carry, xs)
+    return len(consts), len(carry)
 
 
 def scoped_eqns(jaxpr: Union[Jaxpr, ClosedJaxpr],

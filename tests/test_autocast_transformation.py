@@ -180,12 +180,13 @@ def test_float32_autocast_of_a_real_model_is_bit_identical():
     model = rm.MODELS["linen_lm"]
     variables, batch = model.init(jax.random.key(0)), model.batch(jax.random.key(1))
     args = (variables["params"], {}, batch, jax.random.key(2), True)
-    g = jax.jit(model.value_and_grad(model.loss), static_argnums=4)
-    want = g(*args)
-    got = jax.jit(model.value_and_grad(jmp_policy.autocast(model.loss, "float32")),
-                  static_argnums=4)(*args)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(a, b)
+    plain = jax.jit(model.value_and_grad(model.loss), static_argnums=4)
+    cast = jax.jit(model.value_and_grad(jmp_policy.autocast(model.loss, "float32")),
+                   static_argnums=4)
+    assert cast.lower(*args).as_text() == plain.lower(*args).as_text()  # the same program
+    if jax.default_backend() == "cpu":  # XLA:GPU's GEMM autotuning may differ per compile
+        for a, b in zip(jax.tree.leaves(cast(*args)), jax.tree.leaves(plain(*args))):
+            np.testing.assert_array_equal(a, b)
 
 
 # 6. float8 with zero operands under jit ---------------------------------------------------
@@ -556,7 +557,7 @@ def test_importing_under_a_mesh_works():
               "with jax.set_mesh(mesh):\n"
               "    import jmp_policy\n"
               "print(jmp_policy.autocast.__name__)\n")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             env=env, timeout=120)
     assert result.returncode == 0 and "autocast" in result.stdout, result.stderr[-2000:]

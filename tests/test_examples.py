@@ -128,7 +128,8 @@ def test_scale_lm_quick_trains_fsdp_on_8_devices_and_writes_table_json_and_plot(
 
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                    os.environ.get("XLA_FLAGS", ""))
-    env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8")
     table = tmp_path / "table.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(EXAMPLES, "scale_lm.py"), "--quick",

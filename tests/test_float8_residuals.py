@@ -19,6 +19,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from support.jaxpr_walk import TANH_DERIVATIVE
 
 import jmp_policy
 from jmp_policy.residuals import load, store
@@ -60,8 +61,9 @@ def test_the_roots_are_stored_as_float8_values_and_a_scale_per_32():
     plain = jmp_policy.saved_residuals(jmp_policy.autocast(mlp, "mixed_bfloat16"), W1, W2, X)
     f8 = jmp_policy.saved_residuals(
         jmp_policy.autocast(mlp, "mixed_bfloat16", residuals="float8"), W1, W2, X)
-    # JAX keeps x's and w2's bfloat16 copies, tanh, 1 - tanh and the output's double.
-    assert len(activations(plain)) == 5 and {r.dtype for r in activations(plain)} == {"bfloat16"}
+    # JAX keeps x's and w2's bfloat16 copies, what tanh's derivative and w2's gradient
+    # read (tanh and 1 - tanh; one array fewer from JAX 0.11) and the output's double.
+    assert len(activations(plain)) == (5 if TANH_DERIVATIVE == "sub" else 4) and {r.dtype for r in activations(plain)} == {"bfloat16"}
     # Stored: the two products' outputs, each in float8 with a scale per 32 values; the
     # rest is recomputed from them and the arguments.
     values = [r for r in activations(f8) if r.dtype == F8]

@@ -441,8 +441,10 @@ SHARDED_OPTIMIZERS = {  # name: (optimizer, parameters' and gradients' dtypes)
         lambda: jmp_policy.low_precision_params(optax.adam(1e-3), "stochastic"),
         jnp.bfloat16, jnp.bfloat16),
 }
+# A synchronous collective, or the ``-done`` of an asynchronous one: the result's shape
+# (a ``-start``'s is a tuple with the operands', spaced in newer XLA).
 _COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|collective-permute"
-                         r"|all-to-all)(?:-start)?\(")
+                         r"|all-to-all)(?:-done)?\(")
 
 
 @pytest.mark.parametrize("name", list(SHARDED_OPTIMIZERS))

@@ -31,7 +31,7 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, Primitive, jaxpr_as_fun
 
 from jmp_policy.dtypes import is_floating_dtype
 from jmp_policy.autocast.interpreter import Context, Params, autocast_jaxpr, eval_jaxpr, register
-from jmp_policy.jaxprs import bind
+from jmp_policy.jaxprs import bind, scan_sizes
 from jmp_policy.residuals import in_float8
 from jmp_policy.float8 import AmaxHistory, Refused, Slots, stacked
 from jmp_policy.dtypes import convert, dtype_of, join, struct
@@ -282,14 +282,6 @@ def _stable_carry(ctx: Context, body: ClosedJaxpr, before: list[Any], carry: lis
     return carry, None
 
 
-def _scan_sizes(p: Params) -> tuple[int, int]:
-    """(number of consts, number of carries) of a ``scan`` equation."""
-    if "num_consts" in p:  # jax 0.10
-        return p["num_consts"], p["num_carry"]
-    consts, carry, _ = p["ft_in"].unpack()  # jax >= 0.11: a flat tree (consts, carry, xs)
-    return len(consts), len(carry)
-
-
 @register(P.scan_p)
 def _scan(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
     if isinstance(ctx.float8_slots, Slots):
@@ -299,7 +291,7 @@ def _scan(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
 
 def _plain_scan(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
     p = Params(eqn)
-    nc, nk = _scan_sizes(p)
+    nc, nk = scan_sizes(p)
     d = _dtypes(invals)
     consts_d, carry_d, xs_d = d[:nc], d[nc:nc + nk], d[nc + nk:]
     carry_d, body = _stable_carry(ctx, p["jaxpr"], consts_d, carry_d, xs_d, slice(0, nk))
@@ -330,7 +322,7 @@ def _scan_with_histories(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
     iteration, stacked, passed in as a scanned operand (a stack of layers gets one per
     layer, and the backward pass returns each layer's observation in its row)."""
     p = Params(eqn)
-    nc, nk = _scan_sizes(p)
+    nc, nk = scan_sizes(p)
     d = _dtypes(invals)
     consts_d, carry_d, xs_d = d[:nc], d[nc:nc + nk], d[nc + nk:]
     slots = ctx.float8_slots

@@ -42,7 +42,7 @@ from jax.extend.core import Jaxpr, JaxprEqn, Literal
 
 from jmp_policy.dtypes import is_floating_dtype
 from jmp_policy.autocast.rules import Rules, rule_of
-from jmp_policy.jaxprs import sub_jaxprs
+from jmp_policy.jaxprs import scan_sizes, sub_jaxprs
 from jmp_policy.paths import join_scope
 
 __all__ = ["ARGUMENT", "KEPT", "LITERAL", "PRODUCT", "output_kinds"]
@@ -123,12 +123,7 @@ def _choice(alternatives: Sequence[int]) -> int:
 
 
 def _scan_carry(eqn: JaxprEqn, n_in: int) -> slice:
-    params = eqn.params
-    if "num_consts" in params:  # jax 0.10
-        nc, nk = params["num_consts"], params["num_carry"]
-    else:  # jax >= 0.11: a flat tree (consts, carry, xs)
-        consts, carry, _ = params["ft_in"].unpack()
-        nc, nk = len(consts), len(carry)
+    nc, nk = scan_sizes(eqn.params)
     return slice(nc, nc + nk)
 
 

@@ -24,7 +24,7 @@ import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal as JaxprLiteral
 
 from jmp_policy import formats
-from jmp_policy.jaxprs import sub_jaxprs
+from jmp_policy.jaxprs import scan_sizes, sub_jaxprs
 from jmp_policy.paths import display_scope, join_scope
 
 Kind = Literal["activation", "argument", "constant"]
@@ -129,7 +129,7 @@ def origin_of(atom: Any, frame: Frame, producers: Producers) -> Origin:
     path = join_scope(frame.path, str(eqn.source_info.name_stack))
     body = _body(eqn)
     if body is not None:
-        stacking = eqn.primitive.name == "scan" and k >= eqn.params["num_carry"]
+        stacking = eqn.primitive.name == "scan" and k >= scan_sizes(eqn.params)[1]
         loop = frame.loop if frame.loop is not None or not stacking else display_scope(path)
         inner = Frame(body, path, frame, eqn, (*frame.key, id(eqn), stacking),
                        (*frame.order, index), stacking, loop)
@@ -153,7 +153,7 @@ def _from_caller(i: int, frame: Frame, producers: Producers) -> Origin:
     if eqn is None or parent is None:
         return Origin("argument", ("argument", i), argument=i)
     if eqn.primitive.name == "scan" and frame.stacking:
-        if i >= eqn.params["num_consts"] + eqn.params["num_carry"]:
+        if i >= sum(scan_sizes(eqn.params)):
             return origin_of(eqn.invars[i], parent, producers)  # the xs: the same stacked array
         # A constant or carry kept by every iteration: a stack of copies that the scan makes.
         return Origin("activation", (frame.key, i), eqn, frame.path, frame.order,
