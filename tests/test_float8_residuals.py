@@ -97,6 +97,28 @@ def test_each_block_keeps_its_scale(magnitude):
     assert 0 < rel(got, want) < 0.1
 
 
+def test_a_masks_residuals_are_recomputed_from_what_they_read():
+    # jnp.where and jnp.tril are jit calls: what the backward pass keeps of them (the
+    # broadcast mask, a zero fill) is recomputed from their operands that it reads, the
+    # mask alone, not from the scores, which are neither kept nor stored.
+    def attention(q, k):
+        with jax.named_scope("scores"):
+            s = jnp.einsum("bqd,bkd->bqk", q, k)
+        s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s, jnp.finfo(s.dtype).min)
+        with jax.named_scope("softmax"):
+            return jnp.sum(jax.nn.softmax(s) ** 2)
+
+    S = 32
+    q, k = rng(2, S, 8), rng(2, S, 8) * 0.5
+    plain = jmp_policy.autocast(attention, "float32")
+    f8 = jmp_policy.autocast(attention, "float32", residuals="float8")
+    report = jmp_policy.saved_residuals(f8, q, k)
+    wide = [(r.scope, r.dtype) for r in activations(report) if r.shape == (2, S, S)]
+    assert wide == [("softmax", F8)]  # the exponentials, stored (their scales beside)
+    want, got = grads(plain, q, k, argnums=(0, 1)), grads(f8, q, k, argnums=(0, 1))
+    assert 0 < rel(got, want) < 0.08
+
+
 def test_the_format_round_trips_with_its_scales():
     x = jnp.concatenate([rng(4, 32) * 1e-30, rng(4, 32) * 3e4, jnp.zeros((4, 32))], axis=1)
     stored = store(x)

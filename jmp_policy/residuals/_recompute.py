@@ -18,8 +18,9 @@ element-wise equations that make the residuals from them again:
 * so is the output of an exponential, a sine, a cosine or a power, whose
   relative error grows with its input's size: float8 holds ``exp(x)`` to 2**-4,
   where ``exp`` of a float8 ``x`` is off by a factor ``exp(2**-4 * x)``;
-* any other element-wise value (casts, broadcasts and reshapes included) is
-  recomputed from the one large root it comes from, the small ones (a norm's
+* any other element-wise value (casts, broadcasts and reshapes included, and
+  the outputs of a ``jit`` call made of them, as ``jnp.where``'s and
+  ``jnp.tril``'s are) is recomputed from the one large root it comes from, the small ones (a norm's
   statistics, under a quarter of its size) and the function's arguments, which
   are in memory anyway.
 
@@ -41,9 +42,10 @@ import functools
 import math
 from typing import Any, Collection, NamedTuple, Optional, Sequence
 
+import jax.numpy as jnp
 from jax.extend.core import Jaxpr, JaxprEqn, Literal
 
-from jmp_policy.jaxprs import bind
+from jmp_policy.jaxprs import bind, sub_jaxprs
 from jmp_policy.residuals._origins import Producers
 from jmp_policy.residuals._rule import Producer, max_subtracted
 
@@ -59,6 +61,8 @@ _ELEMENTWISE = frozenset({
 """Primitives whose outputs are recomputed rather than stored: element-wise arithmetic
 (``one_minus_square`` is ``tanh``'s derivative from JAX 0.11), casts, and the shape changes
 that copy nothing."""
+
+_JIT_CALLS = frozenset({"jit", "pjit"})
 
 _STORED_OUTPUTS = frozenset({"exp", "exp2", "expm1", "sin", "cos", "tan", "pow"})
 """Element-wise primitives whose outputs are roots: their relative error grows with their
@@ -76,12 +80,14 @@ class Plan(NamedTuple):
     """How the forward pass hands its residuals over: the ``roots`` (vars of the jaxpr to
     store, by the rule), the ``inputs`` (its arguments and constants the recomputation
     reads, in memory anyway), the ``eqns`` that recompute the ``residuals`` (the jaxpr's
-    residual outputs) from both, in program order."""
+    residual outputs) from both, in program order; the operands of those equations that
+    no needed output reads (``unread``: zeros are passed, and compiled away)."""
 
     roots: tuple[Any, ...]
     inputs: tuple[Any, ...]
     eqns: tuple[JaxprEqn, ...]
     residuals: tuple[Any, ...]
+    unread: tuple[Any, ...]
 
 
 def plan(jaxpr: Jaxpr, n_out: int, stored_args: Collection[int] = (),
@@ -90,7 +96,7 @@ def plan(jaxpr: Jaxpr, n_out: int, stored_args: Collection[int] = (),
     The arguments at ``stored_args`` (a loop body's carry, which the loop stacks) are
     roots; the others are inputs."""
     producers = Producers() if producers is None else producers
-    index, producer = producers.of(jaxpr), functools.partial(producers.eqn, jaxpr)
+    producer = functools.partial(producers.eqn, jaxpr)
     free = {v for i, v in enumerate(jaxpr.invars) if i not in stored_args}
     free |= set(jaxpr.constvars)
     roots: set[Any] = {jaxpr.invars[i] for i in stored_args}
@@ -101,19 +107,26 @@ def plan(jaxpr: Jaxpr, n_out: int, stored_args: Collection[int] = (),
         if not _recomputable(eqn, roots, sources, depth, unsafe, free, producer):
             roots.update(eqn.outvars)
     residuals = tuple(jaxpr.outvars[n_out:])
-    needed_roots, inputs, eqns = _needed(residuals, roots, free, index)
-    return Plan(tuple(needed_roots), tuple(inputs), tuple(eqns), residuals)
+    needed_roots, inputs, eqns, unread = _needed(jaxpr, residuals, roots, free)
+    return Plan(tuple(needed_roots), tuple(inputs), tuple(eqns), residuals, tuple(unread))
+
+
+def _elementwise(eqn: JaxprEqn) -> bool:
+    """Whether ``eqn`` is element-wise work whose outputs are recomputed: an element-wise
+    primitive, or a ``jit`` call of them (library functions such as ``jnp.where``)."""
+    name = eqn.primitive.name
+    if name in _JIT_CALLS:
+        return all(_elementwise(e) for e in sub_jaxprs(eqn, "jaxpr")[0].eqns)
+    return name in _ELEMENTWISE and name not in _STORED_OUTPUTS and len(eqn.outvars) == 1
 
 
 def _recomputable(eqn: JaxprEqn, roots: set[Any], sources: dict[Any, frozenset[Any]],
                   depth: dict[Any, int], unsafe: set[Any], free: set[Any],
                   producer: Producer) -> bool:
-    """Whether ``eqn``'s output is recomputed (recording its sources) or a root."""
-    name = eqn.primitive.name
-    if name not in _ELEMENTWISE or name in _STORED_OUTPUTS or len(eqn.outvars) != 1:
+    """Whether ``eqn``'s outputs are recomputed (recording their sources) or roots."""
+    if not _elementwise(eqn):
         return False
-    out = eqn.outvars[0]
-    size = _size(out)
+    size = max((_size(out) for out in eqn.outvars), default=0)
     found: set[Any] = set()
     deepest = 0
     for v in eqn.invars:
@@ -130,41 +143,66 @@ def _recomputable(eqn: JaxprEqn, roots: set[Any], sources: dict[Any, frozenset[A
     if len(large) > 1 or deepest + 1 > _DEPTH:
         return False
     if max_subtracted(eqn, producer):
-        unsafe.add(out)
+        unsafe.update(eqn.outvars)
         return False
-    sources[out], depth[out] = frozenset(found), deepest + 1
+    for out in eqn.outvars:
+        sources[out], depth[out] = frozenset(found), deepest + 1
     return True
 
 
-def _needed(residuals: Sequence[Any], roots: set[Any], free: set[Any],
-            index: dict[Any, tuple[int, JaxprEqn]]
-            ) -> tuple[list[Any], list[Any], list[JaxprEqn]]:
+def _needed(jaxpr: Jaxpr, residuals: Sequence[Any], roots: set[Any], free: set[Any]
+            ) -> tuple[list[Any], list[Any], list[JaxprEqn], list[Any]]:
     """The roots, inputs and equations (in program order) that recompute ``residuals``,
-    found backwards; ``index`` is `Producers.of` the jaxpr."""
-    needed_roots: dict[Any, None] = {}
-    inputs: dict[Any, None] = {}
-    eqns: dict[int, JaxprEqn] = {}  # by place in the program
-    stack = [v for v in residuals if not isinstance(v, Literal)]
-    seen: set[Any] = set()
-    while stack:
-        v = stack.pop()
-        if v in seen:
+    and the operands of those equations that no needed output reads (an input of a
+    ``jnp.where`` call whose residual is its mask alone): found backwards."""
+    live = {v for v in residuals if not isinstance(v, Literal)}
+    needed_roots = [v for v in jaxpr.invars if v in live and v in roots]
+    inputs = [v for v in (*jaxpr.invars, *jaxpr.constvars) if v in live and v in free]
+    eqns: list[JaxprEqn] = []
+    unread: set[Any] = set()
+    for eqn in reversed(jaxpr.eqns):
+        wanted = [v in live for v in eqn.outvars]
+        if not any(wanted):
             continue
-        seen.add(v)
-        if v in roots:
-            needed_roots[v] = None
-        elif v in free:
-            inputs[v] = None
-        else:
-            place, eqn = index[v]
-            eqns[place] = eqn
-            stack.extend(u for u in eqn.invars if not isinstance(u, Literal))
-    return list(needed_roots), list(inputs), [eqns[k] for k in sorted(eqns)]
+        if eqn.outvars[0] in roots:  # an equation's outputs are all roots, or none
+            needed_roots += [v for v, w in zip(eqn.outvars, wanted) if w]
+            continue
+        eqns.append(eqn)
+        reads = _reads(eqn, wanted)
+        for v, read in zip(eqn.invars, reads):
+            if isinstance(v, Literal):
+                continue
+            if not read:
+                unread.add(v)
+                continue
+            if v not in live and v in free:
+                inputs.append(v)
+            elif v not in live and v in roots and v in jaxpr.invars:
+                needed_roots.append(v)
+            live.add(v)
+    eqns.reverse()
+    return needed_roots, inputs, eqns, sorted(unread - live, key=id)
+
+
+def _reads(eqn: JaxprEqn, wanted: Sequence[bool]) -> list[bool]:
+    """Which of ``eqn``'s operands its ``wanted`` outputs read: all of them, but for a
+    ``jit`` call, whose body says."""
+    if eqn.primitive.name not in _JIT_CALLS:
+        return [True] * len(eqn.invars)
+    body = sub_jaxprs(eqn, "jaxpr")[0]
+    live = {v for v, w in zip(body.outvars, wanted) if w and not isinstance(v, Literal)}
+    for inner in reversed(body.eqns):
+        inner_wanted = [v in live for v in inner.outvars]
+        if any(inner_wanted):
+            live.update(v for v, read in zip(inner.invars, _reads(inner, inner_wanted))
+                        if read and not isinstance(v, Literal))
+    return [v in live for v in body.invars]
 
 
 def recompute(found: Plan, values: dict[Any, Any]) -> list[Any]:
     """The residuals, from ``values`` of the plan's roots and inputs."""
     env = dict(values)
+    env.update((v, jnp.zeros(v.aval.shape, v.aval.dtype)) for v in found.unread)
 
     def read(v: Any) -> Any:
         return v.val if isinstance(v, Literal) else env[v]
