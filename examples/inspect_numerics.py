@@ -41,7 +41,6 @@ from typing import Any, Dict
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import jmp_policy

@@ -7,7 +7,6 @@ models trained a few steps.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any
 

@@ -6,7 +6,6 @@ them without error after the transform, and identity operands that read a quanti
 weight back out of the forward and backward products.
 """
 
-import json
 
 import jax
 import jax.numpy as jnp

@@ -1,6 +1,5 @@
 """Tests for jmp_policy.loss_scale: loss-scale objects, all_finite, select_tree."""
 
-import re
 import random
 import warnings
 

@@ -2,7 +2,6 @@
 
 import functools
 
-import chex
 import jax
 import jax.extend
 import jax.numpy as jnp

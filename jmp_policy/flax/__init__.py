@@ -55,10 +55,7 @@ except ModuleNotFoundError as e:  # only Flax's own absence; a broken install ra
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 
-import jmp_policy
 from jmp_policy.paths import path_str
 from jmp_policy.policy import Rule, compile_path_regex, parse_rules, warn_unmatched
 from jmp_policy.flax._float8 import (
