@@ -307,6 +307,29 @@ def test_get_loss_scale_refuses_a_composition_that_feeds_loss_scaling_transforme
         jax.jit(jmp_policy.get_loss_scale)(state)
 
 
+@pytest.mark.parametrize("build", [
+    lambda: optax.masked(_ls(optax.sgd(0.1)), {"w": True, "b": False}),
+    lambda: optax.multi_transform({"a": _ls(optax.sgd(0.1)), "b": optax.sgd(0.1)},
+                                  {"w": "a", "b": "b"}),
+], ids=["masked, some parameters", "multi_transform"])
+def test_loss_scaling_handed_only_some_parameters_is_refused(build):
+    # Unrefused, "b" would be updated with its gradient still times the loss scale.
+    with pytest.raises(ValueError, match=r"inside optax\.masked or optax\.multi_transform.*"
+                                         r"\['b'\].*loss_scaling\(optax\.multi_transform"):
+        build().init({"w": jnp.ones(2), "b": jnp.ones(2)})
+
+
+def test_loss_scaling_around_multi_transform_unscales_every_partition():
+    tx = _ls(optax.multi_transform({"a": optax.sgd(0.1), "b": optax.sgd(0.2)},
+                                   {"w": "a", "b": "b"}))
+    params = {"w": jnp.ones(2), "b": jnp.ones(2)}
+    state = tx.init(params)
+    scale = float(jmp_policy.get_loss_scale(state).loss_scale)
+    updates, _ = jax.jit(tx.update)({"w": jnp.full(2, scale), "b": jnp.full(2, scale)}, state)
+    np.testing.assert_allclose(updates["w"], -0.1)
+    np.testing.assert_allclose(updates["b"], -0.2)
+
+
 def _train(tx, micro_grads, params):
     """Jitted train steps (the loss's gradient is the batch), one per micro-batch."""
     loss_fn = lambda p, x: jnp.sum(p["w"] * x)

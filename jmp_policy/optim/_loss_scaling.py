@@ -176,6 +176,7 @@ _NESTED = (
 
 def _init(inner: optax.GradientTransformationExtraArgs, initial_scale: LossScale,
           params: optax.Params) -> LossScalingState:
+    _check_sees_every_parameter(params)
     inner_state = inner.init(params)
     if _loss_scaling_states(inner_state):
         raise ValueError(_NESTED)
@@ -215,7 +216,23 @@ def _update(
     )
 
 
+def _check_sees_every_parameter(tree: Any) -> None:
+    """Refuses a tree in which ``optax.masked`` or ``optax.multi_transform`` left some
+    parameters out: their gradients would reach another optimizer still scaled."""
+    is_masked: Callable[[Any], bool] = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_masked)
+    left_out = [jax.tree_util.keystr(path) for path, x in leaves if is_masked(x)]
+    if left_out:
+        raise ValueError(
+            f"loss_scaling is inside optax.masked or optax.multi_transform, which hand it "
+            f"only some parameters ({len(left_out)} left out, e.g. {left_out[0]!r}): their "
+            "gradients would reach their optimizer still multiplied by the loss scale, and "
+            "a non-finite step would be skipped for some parameters only. Put loss_scaling "
+            "outermost: jmp_policy.loss_scaling(optax.multi_transform(...), loss_scale).")
+
+
 def _check_update_args(grads: Any, state: Any) -> None:
+    _check_sees_every_parameter(grads)
     if not isinstance(state, LossScalingState):
         raise TypeError(
             f"loss_scaling.update expected the LossScalingState made by this transformation's "
