@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import warnings
 from typing import Any, Callable, Dict, Optional
 
 import jax
@@ -365,6 +366,23 @@ def _small_mlp_train_step(kind: Optional[str]) -> tuple:
     p = jax.eval_shape(lambda: bench.mlp_params(d))
     x = spec(b, t, d, dtype=jnp.bfloat16)
     return bench.train_step(kind), (p, bench.init_state(kind, p, x), x, spec(b, t, d))
+
+
+def test_cudnn_attention_under_autocast_is_known_and_stays_fused():
+    """``jax.nn.dot_product_attention`` with cuDNN's implementation (its choice on a GPU)
+    under autocast: no warning of an unknown primitive, and the compiled gradient calls
+    cuDNN's fused attention, forward and backward, on bfloat16 operands."""
+    def loss(q, k, v):
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return jnp.sum(out.astype(jnp.float32))
+
+    grad = jax.grad(jmp_policy.autocast(loss, "mixed_bfloat16"), argnums=(0, 1, 2))
+    qkv = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jmp_policy.AutocastWarning)
+        text, _ = xla_gpu.compile_for_h100(grad, qkv, qkv, qkv)
+    fused = [t for t in xla_gpu.custom_call_targets(text) if "fmha" in t]
+    assert len(fused) >= 2, xla_gpu.custom_call_targets(text)  # forward and backward
 
 
 @pytest.mark.parametrize("kind", [None, "tensorwise", "rowwise", "delayed"])

@@ -190,6 +190,10 @@ PRIMITIVES: Mapping[str, PrimitiveRule] = _registry(
     (_TRACED, "round_to_format"),
     # Library-level primitives (jnp.searchsorted in JAX 0.12): run as JAX wrote them.
     (_TRACED, "call_hi_primitive"),
+    # cuDNN's fused attention (jax.nn.dot_product_attention's choice on a GPU): half
+    # precision operands only, its softmax float32 inside; run at the traced dtypes.
+    (_TRACED, "dot_product_attention_fwd_wrapper dot_product_attention_bwd_wrapper "
+              "dot_product_attention_fp8_fwd_wrapper dot_product_attention_fp8_bwd_wrapper"),
     # A cast written in fn: made as written.
     (PrimitiveRule(None, operands="cast", output="cast"), "convert_element_type"),
 )
