@@ -119,6 +119,23 @@ def test_a_masks_residuals_are_recomputed_from_what_they_read():
     assert 0 < rel(got, want) < 0.08
 
 
+def test_relu_is_recomputed_from_the_product_it_reads():
+    # jax.nn.relu is a custom_jvp call: its output, which w2's gradient reads, is
+    # recomputed from x @ w1 (stored once) rather than stored beside it.
+    def loss(w1, w2, x):
+        with jax.named_scope("hidden"):
+            h = jax.nn.relu(x @ w1)
+        return jnp.sum((h @ w2) ** 2)
+
+    w1, w2, x = rng(D, 128), rng(128, D), X
+    f8 = jmp_policy.autocast(loss, "mixed_bfloat16", residuals="float8")
+    report = jmp_policy.saved_residuals(f8, w1, w2, x, argnums=(0, 1))
+    assert [(r.scope, r.dtype) for r in activations(report) if r.shape == (B, 128)] == [
+        ("hidden", F8)]
+    want = grads(jmp_policy.autocast(loss, "mixed_bfloat16"), w1, w2, x, argnums=(0, 1))
+    assert 0 < rel(grads(f8, w1, w2, x, argnums=(0, 1)), want) < 0.08
+
+
 def test_the_format_round_trips_with_its_scales():
     x = jnp.concatenate([rng(4, 32) * 1e-30, rng(4, 32) * 3e4, jnp.zeros((4, 32))], axis=1)
     stored = store(x)
@@ -369,8 +386,9 @@ def test_an_nnx_model_and_an_equinox_model():
     report = jmp_policy.saved_residuals(lambda m: jnp.sum(jax.vmap(jmp_policy.autocast(
         m, "mixed_bfloat16", residuals="float8"))(X) ** 2), mlp_eqx)
     model_rows = [r for r in activations(report) if r.scope.startswith("MLP")]
-    # Two products' outputs, and two ReLUs' (a jitted function: its outputs are stored).
-    assert sorted(r.dtype for r in model_rows) == [F8] * 4 + [SCALES] * 4
+    # The two hidden products' outputs; the ReLUs' (calls of element-wise work) are
+    # recomputed from them.
+    assert sorted(r.dtype for r in model_rows) == [F8] * 2 + [SCALES] * 2
     assert {r.scope for r in model_rows} >= {"MLP/eqx.nn.MLP/layers/0/eqx.nn.Linear",
                                               "MLP/eqx.nn.MLP/layers/1/eqx.nn.Linear"}
     g = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(jmp_policy.autocast(

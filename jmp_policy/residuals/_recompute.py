@@ -19,10 +19,10 @@ element-wise equations that make the residuals from them again:
   relative error grows with its input's size: float8 holds ``exp(x)`` to 2**-4,
   where ``exp`` of a float8 ``x`` is off by a factor ``exp(2**-4 * x)``;
 * any other element-wise value (casts, broadcasts and reshapes included, and
-  the outputs of a ``jit`` call made of them, as ``jnp.where``'s and
-  ``jnp.tril``'s are) is recomputed from the one large root it comes from, the small ones (a norm's
-  statistics, under a quarter of its size) and the function's arguments, which
-  are in memory anyway.
+  the outputs of a call made of them, as ``jnp.where``'s, ``jnp.tril``'s and
+  ``jax.nn.relu``'s are) is recomputed from the one large root it comes from,
+  the small ones (a norm's statistics, under a quarter of its size) and the
+  function's arguments, which are in memory anyway.
 
 >>> import jax, jax.numpy as jnp
 >>> from jmp_policy.residuals._origins import vjp_jaxpr
@@ -62,7 +62,9 @@ _ELEMENTWISE = frozenset({
 (``one_minus_square`` is ``tanh``'s derivative from JAX 0.11), casts, and the shape changes
 that copy nothing."""
 
-_JIT_CALLS = frozenset({"jit", "pjit"})
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr"}
+"""Calls recomputed when their body is element-wise (``jnp.where``, ``jax.nn.relu``), by
+the parameter holding the body."""
 
 _STORED_OUTPUTS = frozenset({"exp", "exp2", "expm1", "sin", "cos", "tan", "pow"})
 """Element-wise primitives whose outputs are roots: their relative error grows with their
@@ -113,10 +115,10 @@ def plan(jaxpr: Jaxpr, n_out: int, stored_args: Collection[int] = (),
 
 def _elementwise(eqn: JaxprEqn) -> bool:
     """Whether ``eqn`` is element-wise work whose outputs are recomputed: an element-wise
-    primitive, or a ``jit`` call of them (library functions such as ``jnp.where``)."""
+    primitive, or a call of them (library functions such as ``jnp.where``, ``jax.nn.relu``)."""
     name = eqn.primitive.name
-    if name in _JIT_CALLS:
-        return all(_elementwise(e) for e in sub_jaxprs(eqn, "jaxpr")[0].eqns)
+    if name in _CALLS:
+        return all(_elementwise(e) for e in sub_jaxprs(eqn, _CALLS[name])[0].eqns)
     return name in _ELEMENTWISE and name not in _STORED_OUTPUTS and len(eqn.outvars) == 1
 
 
@@ -186,10 +188,10 @@ def _needed(jaxpr: Jaxpr, residuals: Sequence[Any], roots: set[Any], free: set[A
 
 def _reads(eqn: JaxprEqn, wanted: Sequence[bool]) -> list[bool]:
     """Which of ``eqn``'s operands its ``wanted`` outputs read: all of them, but for a
-    ``jit`` call, whose body says."""
-    if eqn.primitive.name not in _JIT_CALLS:
+    call, whose body says."""
+    if eqn.primitive.name not in _CALLS:
         return [True] * len(eqn.invars)
-    body = sub_jaxprs(eqn, "jaxpr")[0]
+    body = sub_jaxprs(eqn, _CALLS[eqn.primitive.name])[0]
     live = {v for v, w in zip(body.outvars, wanted) if w and not isinstance(v, Literal)}
     for inner in reversed(body.eqns):
         inner_wanted = [v in live for v in inner.outvars]
