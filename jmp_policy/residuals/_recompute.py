@@ -161,7 +161,7 @@ def _needed(jaxpr: Jaxpr, residuals: Sequence[Any], roots: set[Any], free: set[A
     needed_roots = [v for v in jaxpr.invars if v in live and v in roots]
     inputs = [v for v in (*jaxpr.invars, *jaxpr.constvars) if v in live and v in free]
     eqns: list[JaxprEqn] = []
-    unread: set[Any] = set()
+    unread: dict[Any, None] = {}  # ordered: the recomputation is traced the same each time
     for eqn in reversed(jaxpr.eqns):
         wanted = [v in live for v in eqn.outvars]
         if not any(wanted):
@@ -175,7 +175,7 @@ def _needed(jaxpr: Jaxpr, residuals: Sequence[Any], roots: set[Any], free: set[A
             if isinstance(v, Literal):
                 continue
             if not read:
-                unread.add(v)
+                unread[v] = None
                 continue
             if v not in live and v in free:
                 inputs.append(v)
@@ -183,7 +183,7 @@ def _needed(jaxpr: Jaxpr, residuals: Sequence[Any], roots: set[Any], free: set[A
                 needed_roots.append(v)
             live.add(v)
     eqns.reverse()
-    return needed_roots, inputs, eqns, sorted(unread - live, key=id)
+    return needed_roots, inputs, eqns, [v for v in unread if v not in live]
 
 
 def _reads(eqn: JaxprEqn, wanted: Sequence[bool]) -> list[bool]:
