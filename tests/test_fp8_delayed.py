@@ -100,6 +100,10 @@ def test_state_has_a_history_per_product_named_by_scope():
     assert state.scopes == ("layer0", "layer1", "layer2")
     for history in state.histories:
         assert all(h.shape == (4,) and h.dtype == jnp.float32 and not h.any() for h in history)
+    # Named as users wrote them, without JAX's transformations (a vmap inside fn).
+    batched = autocast(lambda ws, x: jnp.sum(jax.vmap(mlp_loss, (None, 0))(ws, x)),
+                       "mixed_bfloat16", fp8=DELAYED)
+    assert float8_state(batched, layers(), rng(2, 32, 64)).scopes == state.scopes
 
 
 def test_each_step_records_the_operand_and_gradient_maxima():

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmp_policy.paths import display_scope
 from jmp_policy.sharding import varying
 
 _F32 = np.dtype(np.float32)
@@ -197,7 +198,7 @@ def stacked(slots: Union[Slots, Refused], requests: Sequence[tuple[str, tuple[in
 def make_state(slots: Slots) -> Float8State:
     """A state of empty histories for what ``slots`` recorded."""
     histories = tuple(empty_history((*stack, slots.length)) for _, stack in slots.requests)
-    return Float8State(histories, tuple(scope for scope, _ in slots.requests))
+    return Float8State(histories, tuple(display_scope(scope) for scope, _ in slots.requests))
 
 
 def empty_history(shape: tuple[int, ...]) -> AmaxHistory:
