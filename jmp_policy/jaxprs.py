@@ -3,7 +3,8 @@
 `bind` evaluates an equation again; `sub_jaxprs` finds the jaxprs a
 higher-order equation holds (a ``jit``'s body, a ``cond``'s branches) and
 `scoped_eqns` walks every equation, nested ones included, with its scope path;
-`scan_sizes` reads a ``scan``'s operand counts on every supported JAX.
+`scan_sizes` reads a ``scan``'s operand counts on every supported JAX;
+`inline_calls` puts the bodies of ``jit`` and ``custom_jvp`` calls in their place.
 
 >>> import jax, jax.numpy as jnp
 >>> eqn = jax.make_jaxpr(jnp.sin)(1.0).jaxpr.eqns[0]
@@ -21,11 +22,13 @@ from __future__ import annotations
 import collections
 from typing import Any, Callable, Generic, Hashable, Iterator, Optional, Sequence, TypeVar, Union
 
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
+import jax
+from jax.extend import source_info_util
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
 from jmp_policy.paths import join_scope
 
-__all__ = ["Kept", "bind", "scan_sizes", "scoped_eqns", "sub_jaxprs"]
+__all__ = ["Kept", "bind", "inline_calls", "scan_sizes", "scoped_eqns", "sub_jaxprs"]
 
 T = TypeVar("T")
 
@@ -62,6 +65,47 @@ def scan_sizes(params: Any) -> tuple[int, int]:
         return int(params["num_consts"]), int(params["num_carry"])
     consts, carry, _ = params["ft_in"].unpack()  # jax >= 0.11: a flat tree (consts, carry, xs)
     return len(consts), len(carry)
+
+
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr"}
+"""The calls `inline_calls` inlines, by the parameter that holds the body."""
+
+
+def inline_calls(closed: ClosedJaxpr, args: Sequence[Any]) -> ClosedJaxpr:
+    """``closed`` traced again at ``args`` with the bodies of its ``jit`` and
+    ``custom_jvp`` calls (``jnp.where``'s, ``jax.nn.relu``'s, a user's jitted block) in
+    place of the calls, at any depth outside loops and other higher-order primitives;
+    every equation keeps its scope. For a pass that is not differentiated again (a
+    ``custom_jvp`` call is then its primal computation).
+
+    >>> import jax, jax.numpy as jnp
+    >>> closed = jax.make_jaxpr(lambda x: jnp.where(x > 0, x, 0.0))(jnp.ones(3))
+    >>> [e.primitive.name for e in inline_calls(closed, [jnp.ones(3)]).eqns]
+    ['gt', 'broadcast_in_dim', 'select_n']
+    """
+    return jax.make_jaxpr(lambda *a: _inlined(closed.jaxpr, closed.consts, a))(*args)
+
+
+def _inlined(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    env = {**dict(zip(jaxpr.constvars, consts)), **dict(zip(jaxpr.invars, args))}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        # Re-emitted with its call site and scope, as jax.core.eval_jaxpr does.
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
+                eqn.ctx.manager:
+            if eqn.primitive.name in _CALLS:
+                body = eqn.params[_CALLS[eqn.primitive.name]]
+                outs = _inlined(body.jaxpr, body.consts, invals)
+            else:
+                out = bind(eqn, invals)
+                outs = out if eqn.primitive.multiple_results else [out]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
 
 
 def scoped_eqns(jaxpr: Union[Jaxpr, ClosedJaxpr],

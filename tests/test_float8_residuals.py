@@ -136,6 +136,38 @@ def test_relu_is_recomputed_from_the_product_it_reads():
     assert 0 < rel(grads(f8, w1, w2, x, argnums=(0, 1)), want) < 0.08
 
 
+def test_a_jitted_block_stores_what_the_same_block_stores_unjitted():
+    # A call is read as if written in place: the block's GELU is recomputed from its
+    # product whether or not the block is jitted (a call's outputs were roots).
+    def block(w1, w2, x):
+        with jax.named_scope("hidden"):
+            h = jax.nn.gelu(x @ w1)
+        return h @ w2
+
+    def stored(b):
+        f8 = jmp_policy.autocast(lambda w1, w2, x: jnp.sum(b(w1, w2, x) ** 2),
+                                 "mixed_bfloat16", residuals="float8")
+        report = jmp_policy.saved_residuals(f8, W1, W2, X, argnums=(0, 1))
+        return [(r.scope, r.shape, r.dtype) for r in activations(report)]
+
+    assert stored(jax.jit(block)) == stored(block)
+    assert [s for s in stored(block) if s[0] == "hidden" and s[2] == F8] == [
+        ("hidden", (B, D), F8)]
+
+
+def test_a_dropout_mask_is_kept_not_recomputed_from_stored_uniforms():
+    # The mask compares uniform random numbers with the keep rate; recomputed from their
+    # float8 copy, some elements would flip. It is kept as it is (a boolean).
+    def loss(x, key):
+        keep = jax.random.bernoulli(key, 0.5, x.shape)
+        return jnp.sum(jnp.where(keep, x, 0.0) ** 2)
+
+    key = jax.random.key(3)
+    plain = grads(jmp_policy.autocast(loss, "float32"), X, key)
+    got = grads(jmp_policy.autocast(loss, "float32", residuals="float8"), X, key)
+    np.testing.assert_array_equal(got, plain)
+
+
 def test_the_format_round_trips_with_its_scales():
     x = jnp.concatenate([rng(4, 32) * 1e-30, rng(4, 32) * 3e4, jnp.zeros((4, 32))], axis=1)
     stored = store(x)

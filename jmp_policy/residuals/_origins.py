@@ -24,7 +24,7 @@ import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal as JaxprLiteral
 
 from jmp_policy import formats
-from jmp_policy.jaxprs import scan_sizes, sub_jaxprs
+from jmp_policy.jaxprs import inline_calls, scan_sizes, sub_jaxprs
 from jmp_policy.paths import display_scope, join_scope
 
 Kind = Literal["activation", "argument", "constant"]
@@ -34,8 +34,10 @@ def vjp_jaxpr(fn: Callable[..., Any], args: Sequence[Any],
               wrt: Optional[Sequence[int]] = None) -> tuple[ClosedJaxpr, int, Any]:
     """The jaxpr of ``fn``'s forward pass under ``jax.vjp`` with respect to the arguments at
     ``wrt`` (all by default), at ``args`` (a flat list of arrays), all of them its inputs:
-    its outputs are ``fn``'s output leaves, then the residuals. Returns the jaxpr, the
-    number of output leaves and the treedefs ``(outputs, vjp function)``."""
+    its outputs are ``fn``'s output leaves, then the residuals. Its ``jit`` and
+    ``custom_jvp`` calls are inlined (`jaxprs.inline_calls`), so that each residual is
+    made by the operation that computes it. Returns the jaxpr, the number of output
+    leaves and the treedefs ``(outputs, vjp function)``."""
     wrt = range(len(args)) if wrt is None else wrt
     trees: list[Any] = []
 
@@ -52,7 +54,7 @@ def vjp_jaxpr(fn: Callable[..., Any], args: Sequence[Any],
         trees.extend([out_tree, vjp_tree])
         return outs, leaves
 
-    closed = jax.make_jaxpr(forward)(*args)
+    closed = inline_calls(jax.make_jaxpr(forward)(*args), args)
     return closed, trees[0].num_leaves, (trees[0], trees[1])
 
 

@@ -15,14 +15,19 @@ element-wise equations that make the residuals from them again:
   both, and their own roots;
 * so is ``x - max(x)`` (max-subtracted logits, kept by the rule) and what is
   computed from it;
+* so is a boolean or integer value computed from a large floating root (a
+  comparison, as a dropout mask compares uniform random numbers with its rate):
+  computed again from the root's float8 copy, some of its elements would flip.
+  A sign test (``x > 0``, ReLU's mask) is recomputed: rounding keeps signs;
 * so is the output of an exponential, a sine, a cosine or a power, whose
   relative error grows with its input's size: float8 holds ``exp(x)`` to 2**-4,
   where ``exp`` of a float8 ``x`` is off by a factor ``exp(2**-4 * x)``;
-* any other element-wise value (casts, broadcasts and reshapes included, and
-  the outputs of a call made of them, as ``jnp.where``'s, ``jnp.tril``'s and
-  ``jax.nn.relu``'s are) is recomputed from the one large root it comes from,
-  the small ones (a norm's statistics, under a quarter of its size) and the
-  function's arguments, which are in memory anyway.
+* any other element-wise value (casts, broadcasts and reshapes included) is
+  recomputed from the one large root it comes from, the small ones (a norm's
+  statistics, under a quarter of its size) and the function's arguments, which
+  are in memory anyway. Calls (``jnp.where``'s, ``jax.nn.relu``'s, a jitted
+  block) are inlined by `vjp_jaxpr` first: what is inside them is read as if
+  written in place.
 
 >>> import jax, jax.numpy as jnp
 >>> from jmp_policy.residuals._origins import vjp_jaxpr
@@ -42,10 +47,11 @@ import functools
 import math
 from typing import Any, Collection, NamedTuple, Optional, Sequence
 
-import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Literal
 
-from jmp_policy.jaxprs import bind, sub_jaxprs
+from jmp_policy.dtypes import is_floating_dtype
+from jmp_policy.jaxprs import bind
 from jmp_policy.residuals._origins import Producers
 from jmp_policy.residuals._rule import Producer, max_subtracted
 
@@ -61,10 +67,6 @@ _ELEMENTWISE = frozenset({
 """Primitives whose outputs are recomputed rather than stored: element-wise arithmetic
 (``one_minus_square`` is ``tanh``'s derivative from JAX 0.11), casts, and the shape changes
 that copy nothing."""
-
-_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr"}
-"""Calls recomputed when their body is element-wise (``jnp.where``, ``jax.nn.relu``), by
-the parameter holding the body."""
 
 _STORED_OUTPUTS = frozenset({"exp", "exp2", "expm1", "sin", "cos", "tan", "pow"})
 """Element-wise primitives whose outputs are roots: their relative error grows with their
@@ -82,14 +84,12 @@ class Plan(NamedTuple):
     """How the forward pass hands its residuals over: the ``roots`` (vars of the jaxpr to
     store, by the rule), the ``inputs`` (its arguments and constants the recomputation
     reads, in memory anyway), the ``eqns`` that recompute the ``residuals`` (the jaxpr's
-    residual outputs) from both, in program order; the operands of those equations that
-    no needed output reads (``unread``: zeros are passed, and compiled away)."""
+    residual outputs) from both, in program order."""
 
     roots: tuple[Any, ...]
     inputs: tuple[Any, ...]
     eqns: tuple[JaxprEqn, ...]
     residuals: tuple[Any, ...]
-    unread: tuple[Any, ...]
 
 
 def plan(jaxpr: Jaxpr, n_out: int, stored_args: Collection[int] = (),
@@ -109,26 +109,19 @@ def plan(jaxpr: Jaxpr, n_out: int, stored_args: Collection[int] = (),
         if not _recomputable(eqn, roots, sources, depth, unsafe, free, producer):
             roots.update(eqn.outvars)
     residuals = tuple(jaxpr.outvars[n_out:])
-    needed_roots, inputs, eqns, unread = _needed(jaxpr, residuals, roots, free)
-    return Plan(tuple(needed_roots), tuple(inputs), tuple(eqns), residuals, tuple(unread))
-
-
-def _elementwise(eqn: JaxprEqn) -> bool:
-    """Whether ``eqn`` is element-wise work whose outputs are recomputed: an element-wise
-    primitive, or a call of them (library functions such as ``jnp.where``, ``jax.nn.relu``)."""
-    name = eqn.primitive.name
-    if name in _CALLS:
-        return all(_elementwise(e) for e in sub_jaxprs(eqn, _CALLS[name])[0].eqns)
-    return name in _ELEMENTWISE and name not in _STORED_OUTPUTS and len(eqn.outvars) == 1
+    needed_roots, inputs, eqns = _needed(jaxpr, residuals, roots, free)
+    return Plan(tuple(needed_roots), tuple(inputs), tuple(eqns), residuals)
 
 
 def _recomputable(eqn: JaxprEqn, roots: set[Any], sources: dict[Any, frozenset[Any]],
                   depth: dict[Any, int], unsafe: set[Any], free: set[Any],
                   producer: Producer) -> bool:
-    """Whether ``eqn``'s outputs are recomputed (recording their sources) or roots."""
-    if not _elementwise(eqn):
+    """Whether ``eqn``'s output is recomputed (recording its sources) or a root."""
+    name = eqn.primitive.name
+    if name not in _ELEMENTWISE or name in _STORED_OUTPUTS or len(eqn.outvars) != 1:
         return False
-    size = max((_size(out) for out in eqn.outvars), default=0)
+    out = eqn.outvars[0]
+    size = _size(out)
     found: set[Any] = set()
     deepest = 0
     for v in eqn.invars:
@@ -144,24 +137,23 @@ def _recomputable(eqn: JaxprEqn, roots: set[Any], sources: dict[Any, frozenset[A
     large = {r for r in found if _size(r) * _SMALL >= size}
     if len(large) > 1 or deepest + 1 > _DEPTH:
         return False
+    if not _is_float(out) and any(_is_float(r) for r in large) and not _sign_test(eqn):
+        return False  # a comparison of stored values would flip (a dropout mask of uniforms)
     if max_subtracted(eqn, producer):
-        unsafe.update(eqn.outvars)
+        unsafe.add(out)
         return False
-    for out in eqn.outvars:
-        sources[out], depth[out] = frozenset(found), deepest + 1
+    sources[out], depth[out] = frozenset(found), deepest + 1
     return True
 
 
 def _needed(jaxpr: Jaxpr, residuals: Sequence[Any], roots: set[Any], free: set[Any]
-            ) -> tuple[list[Any], list[Any], list[JaxprEqn], list[Any]]:
+            ) -> tuple[list[Any], list[Any], list[JaxprEqn]]:
     """The roots, inputs and equations (in program order) that recompute ``residuals``,
-    and the operands of those equations that no needed output reads (an input of a
-    ``jnp.where`` call whose residual is its mask alone): found backwards."""
+    found backwards."""
     live = {v for v in residuals if not isinstance(v, Literal)}
     needed_roots = [v for v in jaxpr.invars if v in live and v in roots]
     inputs = [v for v in (*jaxpr.invars, *jaxpr.constvars) if v in live and v in free]
     eqns: list[JaxprEqn] = []
-    unread: dict[Any, None] = {}  # ordered: the recomputation is traced the same each time
     for eqn in reversed(jaxpr.eqns):
         wanted = [v in live for v in eqn.outvars]
         if not any(wanted):
@@ -170,41 +162,21 @@ def _needed(jaxpr: Jaxpr, residuals: Sequence[Any], roots: set[Any], free: set[A
             needed_roots += [v for v, w in zip(eqn.outvars, wanted) if w]
             continue
         eqns.append(eqn)
-        reads = _reads(eqn, wanted)
-        for v, read in zip(eqn.invars, reads):
-            if isinstance(v, Literal):
+        for v in eqn.invars:
+            if isinstance(v, Literal) or v in live:
                 continue
-            if not read:
-                unread[v] = None
-                continue
-            if v not in live and v in free:
+            if v in free:
                 inputs.append(v)
-            elif v not in live and v in roots and v in jaxpr.invars:
+            elif v in roots and v in jaxpr.invars:
                 needed_roots.append(v)
             live.add(v)
     eqns.reverse()
-    return needed_roots, inputs, eqns, [v for v in unread if v not in live]
-
-
-def _reads(eqn: JaxprEqn, wanted: Sequence[bool]) -> list[bool]:
-    """Which of ``eqn``'s operands its ``wanted`` outputs read: all of them, but for a
-    call, whose body says."""
-    if eqn.primitive.name not in _CALLS:
-        return [True] * len(eqn.invars)
-    body = sub_jaxprs(eqn, _CALLS[eqn.primitive.name])[0]
-    live = {v for v, w in zip(body.outvars, wanted) if w and not isinstance(v, Literal)}
-    for inner in reversed(body.eqns):
-        inner_wanted = [v in live for v in inner.outvars]
-        if any(inner_wanted):
-            live.update(v for v, read in zip(inner.invars, _reads(inner, inner_wanted))
-                        if read and not isinstance(v, Literal))
-    return [v in live for v in body.invars]
+    return needed_roots, inputs, eqns
 
 
 def recompute(found: Plan, values: dict[Any, Any]) -> list[Any]:
     """The residuals, from ``values`` of the plan's roots and inputs."""
     env = dict(values)
-    env.update((v, jnp.zeros(v.aval.shape, v.aval.dtype)) for v in found.unread)
 
     def read(v: Any) -> Any:
         return v.val if isinstance(v, Literal) else env[v]
@@ -213,6 +185,18 @@ def recompute(found: Plan, values: dict[Any, Any]) -> list[Any]:
         outs = bind(eqn, [read(v) for v in eqn.invars])
         env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
     return [read(v) for v in found.residuals]
+
+
+def _sign_test(eqn: JaxprEqn) -> bool:
+    """Whether ``eqn`` compares a value with zero (``x > 0``: ReLU's mask), which its float8
+    copy answers alike: rounding keeps signs, and flushes to zero only values far below
+    their block's largest."""
+    return eqn.primitive.name in ("gt", "ge", "lt", "le") and any(
+        isinstance(v, Literal) and not np.any(v.val) for v in eqn.invars)
+
+
+def _is_float(v: Any) -> bool:
+    return is_floating_dtype(v.aval.dtype)
 
 
 def _size(v: Any) -> int:
