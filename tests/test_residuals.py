@@ -2,7 +2,7 @@
 
 The MLP ``tanh(x @ w1) @ w2``, differentiated with respect to ``w1`` and
 ``w2``, keeps what JAX's rules need: ``tanh``'s output (for ``w2``'s
-gradient), tanh's derivative (``DERIVATIVE``), ``x`` (for ``w1``'s
+gradient), tanh's derivative (``TANH_DERIVATIVE``), ``x`` (for ``w1``'s
 gradient) and ``w2`` (for the hidden cotangent); not ``w1``, whose value the
 backward pass never reads. Every test asserts those arrays, or what a
 transformation (autocast, checkpoint, scan, jit) makes of them.
@@ -26,7 +26,6 @@ import jmp_policy
 B, D, H, O = 5, 3, 4, 2  # batch, inputs, hidden, outputs: every shape tells its array
 W1, W2, X = jnp.ones((D, H)), jnp.ones((H, O)), jnp.ones((B, D))
 F32, BF16 = 4, 2
-DERIVATIVE = TANH_DERIVATIVE
 
 
 def mlp(w1, w2, x):
@@ -49,7 +48,7 @@ def test_the_mlp_keeps_tanh_its_derivative_and_two_arguments():
     report = jmp_policy.saved_residuals(mlp, W1, W2, X, argnums=(0, 1))
     assert summary(report) == [
         ("mlp/hidden", "tanh", (B, H), "float32", "activation", ""),
-        ("mlp/hidden", DERIVATIVE, (B, H), "float32", "activation", ""),
+        ("mlp/hidden", TANH_DERIVATIVE, (B, H), "float32", "activation", ""),
         ("argument", "", (H, O), "float32", "argument", "w2"),
         ("argument", "", (B, D), "float32", "argument", "x"),
     ]
@@ -73,13 +72,13 @@ def test_autocast_keeps_bfloat16_residuals_at_half_the_bytes():
     assert activations(half) == [
         ("mlp/hidden", "convert_element_type", (B, D), "bfloat16"),
         ("mlp/hidden", "tanh", (B, H), "bfloat16"),
-        ("mlp/hidden", DERIVATIVE, (B, H), "bfloat16"),
+        ("mlp/hidden", TANH_DERIVATIVE, (B, H), "bfloat16"),
         ("mlp/out", "convert_element_type", (H, O), "bfloat16"),
     ]
     assert half.argument_bytes == 0
 
     def hidden(report):
-        return sum(r.bytes for r in report if r.primitive in ("tanh", DERIVATIVE))
+        return sum(r.bytes for r in report if r.primitive in ("tanh", TANH_DERIVATIVE))
 
     assert hidden(half) * 2 == hidden(full) == 2 * B * H * F32
 
@@ -117,10 +116,10 @@ def test_linen_blocks_are_the_scopes():
         lambda p, x: jnp.sum(model.apply({"params": p}, x)), params, X)
     assert activations(report) == [
         ("Model/Block_0", "tanh", (B, H), "float32"),
-        ("Model/Block_0", DERIVATIVE, (B, H), "float32"),
+        ("Model/Block_0", TANH_DERIVATIVE, (B, H), "float32"),
         ("Model/Block_0/down", "add", (B, D), "float32"),  # Block_1's input
         ("Model/Block_1", "tanh", (B, H), "float32"),
-        ("Model/Block_1", DERIVATIVE, (B, H), "float32"),
+        ("Model/Block_1", TANH_DERIVATIVE, (B, H), "float32"),
     ]
     assert report.by_scope(depth=2) == {"Model/Block_0": (2 * B * H + B * D) * F32,
                                         "Model/Block_1": 2 * B * H * F32}
@@ -149,8 +148,8 @@ def test_a_scan_over_layers_keeps_stacked_residuals_once(remat):
     # Without remat, tanh's output is the next carry, kept by the scan; JAX before 0.11
     # keeps it again for the derivative.
     inner = [("stack/layer", "dot_general")] if remat else [
-        ("stack/layer", "tanh"), ("stack/layer", "sub")] if DERIVATIVE == "sub" else [
-        ("stack/layer", DERIVATIVE)]
+        ("stack/layer", "tanh"), ("stack/layer", "sub")] if TANH_DERIVATIVE == "sub" else [
+        ("stack/layer", TANH_DERIVATIVE)]
     # The carry each layer receives (its input), stacked by the scan; then the body's.
     assert [(r.scope, r.primitive) for r in report if r.kind == "activation"] == [
         ("stack", "scan"), *inner]
@@ -173,7 +172,8 @@ def test_one_array_kept_for_two_uses_counts_once():
 
     report = jmp_policy.saved_residuals(loss, W1, W2, argnums=(0, 1))
     assert [(r.primitive, r.shape) for r in report if r.kind == "activation"] == [
-        ("tanh", (B, H)), (DERIVATIVE, (B, H)), ("dot_general", (B, O)), ("dot_general", (B, O))]
+        ("tanh", (B, H)), (TANH_DERIVATIVE, (B, H)),
+        ("dot_general", (B, O)), ("dot_general", (B, O))]
     assert report.total_bytes == (2 * B * H + 2 * B * O) * F32
 
 
@@ -206,7 +206,7 @@ def test_an_nnx_module_is_differentiated_by_its_parameters():
                            nnx.Linear(H, O, rngs=nnx.Rngs(1)))
     report = jmp_policy.saved_residuals(lambda m, x: jnp.sum(m(x)), model, X)
     assert activations(report) == [("Sequential", "tanh", (B, H), "float32"),
-                                   ("Sequential", DERIVATIVE, (B, H), "float32")]
+                                   ("Sequential", TANH_DERIVATIVE, (B, H), "float32")]
 
 
 def test_the_table_and_json_say_the_same():
@@ -260,7 +260,7 @@ def test_the_example_lm_keeps_what_the_debugging_guide_says():
     mib = 2**20
     # docs/debugging.md: 17 MiB (26 MiB in float32), about 7.5 MiB per block; from JAX
     # 0.11, which keeps tanh's derivative as one array, 16 MiB (24 MiB) and 7 MiB.
-    before_011 = DERIVATIVE == "sub"
+    before_011 = TANH_DERIVATIVE == "sub"
     assert (round(half.total_bytes / mib), round(full.total_bytes / mib)) == (
         (17, 26) if before_011 else (16, 24))
     blocks = half.by_scope(depth=2)
@@ -272,5 +272,5 @@ def test_the_example_lm_keeps_what_the_debugging_guide_says():
         ("Softmax_0", "exp", "float32")]
     # The MLP's GELU is bfloat16 under the policy.
     gelu = [r for r in half if r.scope == "TransformerLM/Block_0"
-            and r.primitive in ("tanh", DERIVATIVE)]
+            and r.primitive in ("tanh", TANH_DERIVATIVE)]
     assert gelu and {r.dtype for r in gelu} == {"bfloat16"}

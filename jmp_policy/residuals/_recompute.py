@@ -9,7 +9,8 @@ one, they would cost more than that one wide array. `plan` finds, in the
 forward pass's jaxpr, the arrays to hand over instead (the **roots**) and the
 element-wise equations that make the residuals from them again:
 
-* a value made by a product, a reduction, a gather, a call or a loop is a root;
+* a value made by a product, a reduction, a gather, a loop or a call that
+  `vjp_jaxpr` does not inline (a ``custom_vjp``, a ``jax.checkpoint``) is a root;
 * so is an element-wise value computed from two large roots (a residual
   connection ``x + f(x)``, a gate ``silu(g) * u``): recomputing it would pull in
   both, and their own roots;
@@ -25,9 +26,9 @@ element-wise equations that make the residuals from them again:
 * any other element-wise value (casts, broadcasts and reshapes included) is
   recomputed from the one large root it comes from, the small ones (a norm's
   statistics, under a quarter of its size) and the function's arguments, which
-  are in memory anyway. Calls (``jnp.where``'s, ``jax.nn.relu``'s, a jitted
-  block) are inlined by `vjp_jaxpr` first: what is inside them is read as if
-  written in place.
+  are in memory anyway. ``jit`` and ``custom_jvp`` calls (``jnp.where``'s,
+  ``jax.nn.relu``'s, a jitted block) are inlined by `vjp_jaxpr` first: what is
+  inside them is read as if written in place.
 
 >>> import jax, jax.numpy as jnp
 >>> from jmp_policy.residuals._origins import vjp_jaxpr

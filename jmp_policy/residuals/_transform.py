@@ -42,18 +42,17 @@ from jmp_policy.residuals._rule import Rule
 class Float8Residuals:
     """Autocast's ``residuals=``: the activations a backward pass keeps, stored in float8.
 
-    The arrays the backward pass's residuals are made from (its roots: the
-    outputs of products, reductions, calls and loops, of element-wise work on
-    two large roots, and of exponentials) are stored as ``float8_e4m3fn``
-    values with one power-of-two scale per block of 32 values along their last
-    axis (MXFP8's format, 1 + 1/32 bytes a value); the backward pass loads them
-    back into their dtypes and recomputes the element-wise residuals from them,
-    as XLA does for plain residuals. A rule keeps some in their dtype:
-    arguments and constants, statistics (a norm's mean and variance, a
-    softmax's sum, and what is computed from them alone), max-subtracted
-    logits, values already one byte wide, arrays of fewer than 32 values, and
-    those made in a scope ``exclude`` names. What a ``jax.checkpoint`` policy
-    saves is stored so; what it recomputes is not stored at all.
+    The arrays the backward pass's residuals are made from (its roots: the outputs of
+    products, reductions, loops and custom derivatives, of element-wise work on two
+    large roots, and of exponentials) are stored as ``float8_e4m3fn`` values with one
+    power-of-two scale per block of 32 values along their last axis (MXFP8's format, 1 +
+    1/32 bytes a value); the backward pass loads them back into their dtypes and
+    recomputes the element-wise residuals from them, as XLA does for plain residuals. A
+    rule keeps some in their dtype: arguments and constants, statistics (a norm's mean
+    and variance, a softmax's sum, and what is computed from them alone), max-subtracted
+    logits, values already one byte wide, arrays of fewer than 32 values, and those made
+    in a scope ``exclude`` names. What a ``jax.checkpoint`` policy saves is stored so;
+    what it recomputes is not stored at all.
 
     Attributes:
       exclude: regular expressions searched (``re.search``) in the
