@@ -29,7 +29,8 @@ that float8 residuals change: the H100 columns are. The deviceless H100 compile
 cannot tile the example LM's float32 products for Triton's GEMMs, so the
 example LM's H100 figures are compiled with ``xla_gpu_enable_triton_gemm``
 off (cuBLAS GEMMs), except where cuBLAS refuses a product (the block-scaled
-recipes), which keep Triton's.
+recipes), which keep Triton's; so are ``scale_lm``'s (with Triton's GEMMs, untuned
+without a device, its float8 products write float32 results).
 
 Run from the repository root (the H100 columns need the CUDA plugin, see
 ``bench_xla_gpu_memory``; 8 CPU devices are simulated here)::
@@ -143,8 +144,10 @@ def scale_row(scale_lm: Any, run: Any, c: Any, meshes: Dict[str, Any]) -> Dict[s
         # A deviceless compile cannot lower the host callback of low_precision_params'
         # misuse check: on the H100 it returns zeros on the device instead.
         on_device = harness.callbacks_on_device() if where else contextlib.nullcontext()
+        # As for the example LM: cuBLAS's GEMMs, not Triton's untuned ones.
+        options = {"xla_gpu_enable_triton_gemm": False} if where else None
         with on_device:
-            memory = _or_error(lambda: scale_lm.step_memory(run, c, mesh), row)
+            memory = _or_error(lambda: scale_lm.step_memory(run, c, mesh, options), row)
         if memory is not None:
             args, temp = memory.argument_size_in_bytes, memory.temp_size_in_bytes
             row.update({f"args{where}": args, f"temp{where}": temp, f"peak{where}": args + temp})

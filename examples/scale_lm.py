@@ -47,7 +47,7 @@ import importlib.util
 import json
 import math
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import jax
 import jax.numpy as jnp
@@ -288,9 +288,10 @@ def jitted_step(run: Run, c: Config, mesh: jax.sharding.Mesh) -> tuple:
     return step, (param_sh, state_sh, batch_sh)
 
 
-def step_memory(run: Run, c: Config, mesh: jax.sharding.Mesh) -> Any:
+def step_memory(run: Run, c: Config, mesh: jax.sharding.Mesh,
+                options: Optional[Dict[str, Any]] = None) -> Any:
     """XLA's memory account of one train step per device, compiled from shapes alone
-    (for ``mesh``'s devices, which may be a deviceless GPU's)."""
+    (for ``mesh``'s devices, which may be a deviceless GPU's) with compiler ``options``."""
     step, shardings = jitted_step(run, c, mesh)
     params = jax.eval_shape(lambda p: jax.tree.map(lambda x: x.astype(run.param_dtype), p),
                             param_shapes(c))
@@ -298,7 +299,7 @@ def step_memory(run: Run, c: Config, mesh: jax.sharding.Mesh) -> Any:
               jax.ShapeDtypeStruct((c.batch_size, c.seq_len + 1), jnp.int32))
     structs = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                            shapes, shardings)
-    return step.lower(*structs).compile().memory_analysis()
+    return step.lower(*structs).compile(options).memory_analysis()
 
 
 def train(run: Run, c: Config, mesh: jax.sharding.Mesh, text: np.ndarray, steps: int,

@@ -4,7 +4,8 @@
 higher-order equation holds (a ``jit``'s body, a ``cond``'s branches) and
 `scoped_eqns` walks every equation, nested ones included, with its scope path;
 `scan_sizes` reads a ``scan``'s operand counts on every supported JAX;
-`inline_calls` puts the bodies of ``jit`` and ``custom_jvp`` calls in their place.
+`inline_calls` puts the bodies of ``jit`` and ``custom_jvp`` calls in their place;
+`in_place` is the context (call site, scope) an equation is emitted again in.
 
 >>> import jax, jax.numpy as jnp
 >>> eqn = jax.make_jaxpr(jnp.sin)(1.0).jaxpr.eqns[0]
@@ -20,6 +21,7 @@ higher-order equation holds (a ``jit``'s body, a ``cond``'s branches) and
 from __future__ import annotations
 
 import collections
+import contextlib
 from typing import Any, Callable, Generic, Hashable, Iterator, Optional, Sequence, TypeVar, Union
 
 import jax
@@ -28,7 +30,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
 from jmp_policy.paths import join_scope
 
-__all__ = ["Kept", "bind", "inline_calls", "scan_sizes", "scoped_eqns", "sub_jaxprs"]
+__all__ = ["Kept", "bind", "in_place", "inline_calls", "scan_sizes", "scoped_eqns", "sub_jaxprs"]
 
 T = TypeVar("T")
 
@@ -94,10 +96,7 @@ def _inlined(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[A
 
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        # Re-emitted with its call site and scope, as jax.core.eval_jaxpr does.
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
-                eqn.ctx.manager:
+        with in_place(eqn):
             if eqn.primitive.name in _CALLS:
                 body = eqn.params[_CALLS[eqn.primitive.name]]
                 outs = _inlined(body.jaxpr, body.consts, invals)
@@ -106,6 +105,16 @@ def _inlined(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[A
                 outs = out if eqn.primitive.multiple_results else [out]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
+
+
+@contextlib.contextmanager
+def in_place(eqn: JaxprEqn) -> Iterator[None]:
+    """The context in which to emit ``eqn`` again: its call site and scope (under the
+    current scope) and its own context, as ``jax.core.eval_jaxpr`` does."""
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
+            eqn.ctx.manager:
+        yield
 
 
 def scoped_eqns(jaxpr: Union[Jaxpr, ClosedJaxpr],

@@ -323,6 +323,34 @@ def test_what_a_checkpoint_policy_saves_is_what_is_stored(policy, kept):
     assert rel(grads(f8, W1, W2, X), want) < 0.08
 
 
+def test_each_checkpointed_layers_residuals_load_where_the_backward_pass_reaches_it():
+    """Loaded all at once, every layer's residuals would be wide again while the last
+    layer is differentiated; each layer's loads must wait for the gradient of the
+    layers after it (a data dependency, which no compiler schedules around)."""
+    def loss(ws, x):
+        for w1, w2 in ws:
+            x = x + jax.checkpoint(mlp, policy=jax.checkpoint_policies.dots_saveable)(w1, w2, x)
+        return jnp.sum(x ** 2)
+
+    f8 = jmp_policy.autocast(loss, "mixed_bfloat16", residuals="float8")
+    jaxpr = jax.make_jaxpr(jax.grad(f8))([(W1, W2)] * 4, X).jaxpr
+    after: dict = {}  # var -> the layers' backward passes (equation indices) it waits for
+    loaded, waits = set(), []
+    for i, eqn in enumerate(jaxpr.eqns):
+        reads = [v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)]
+        deps = set().union(*(after.get(v, set()) for v in reads))
+        if eqn.primitive.name == "convert_element_type" and reads[0].aval.dtype == F8:
+            waits.append(len(deps))
+            loaded.update(eqn.outvars)
+        elif any(v in loaded for v in reads):
+            loaded.update(eqn.outvars)
+            if eqn.primitive.name == "remat2":  # a layer's backward pass
+                deps = deps | {i}
+        after.update((v, deps) for v in eqn.outvars)
+    # The last layer's loads wait for nothing, the first layer's for the three after it.
+    assert sorted(set(waits)) == [0, 1, 2, 3], waits
+
+
 @pytest.mark.slow  # integration with the recipes, modules and meshes
 @pytest.mark.parametrize("fp8", ["tensorwise", "rowwise", "mxfp8", "nvfp4"])
 def test_every_float8_recipe_composes(fp8):

@@ -175,17 +175,49 @@ def _needed(jaxpr: Jaxpr, residuals: Sequence[Any], roots: set[Any], free: set[A
     return needed_roots, inputs, eqns
 
 
-def recompute(found: Plan, values: dict[Any, Any]) -> list[Any]:
-    """The residuals, from ``values`` of the plan's roots and inputs."""
-    env = dict(values)
+class Recompute:
+    """The residuals of a `Plan`, made on demand: `sources` names the roots and inputs
+    that some residuals are made from, and once `env` holds those, `make` recomputes the
+    residuals, running only the equations they need (each once)."""
 
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, Literal) else env[v]
+    def __init__(self, found: Plan) -> None:
+        self.env: dict[Any, Any] = {}
+        self._made_by = {v: i for i, eqn in enumerate(found.eqns) for v in eqn.outvars}
+        self._eqns = found.eqns
 
-    for eqn in found.eqns:
-        outs = bind(eqn, [read(v) for v in eqn.invars])
-        env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
-    return [read(v) for v in found.residuals]
+    def sources(self, wanted: Sequence[Any]) -> list[Any]:
+        """The roots and inputs that ``wanted`` (vars of the forward jaxpr) are made from
+        and `env` lacks, in the order first reached."""
+        reached = [v for i in self._needed(wanted) for v in self._eqns[i].invars]
+        return [v for v in dict.fromkeys(v for v in [*reached, *wanted]
+                                         if not isinstance(v, Literal)) if self._missing(v)]
+
+    def make(self, wanted: Sequence[Any]) -> list[Any]:
+        """The values of ``wanted``, their `sources` being in `env`."""
+        for i in sorted(self._needed(wanted)):  # program order
+            eqn = self._eqns[i]
+            outs = bind(eqn, [self._read(v) for v in eqn.invars])
+            self.env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+        return [self._read(v) for v in wanted]
+
+    def _needed(self, wanted: Sequence[Any]) -> set[int]:
+        """The equations (indices) that ``wanted`` need and `env` lacks the outputs of."""
+        needed: set[int] = set()
+        stack = [v for v in wanted if not isinstance(v, Literal)]
+        while stack:
+            v = stack.pop()
+            i = self._made_by.get(v)
+            if i is None or v in self.env or i in needed:
+                continue
+            needed.add(i)
+            stack += [u for u in self._eqns[i].invars if not isinstance(u, Literal)]
+        return needed
+
+    def _missing(self, v: Any) -> bool:
+        return v not in self.env and v not in self._made_by
+
+    def _read(self, v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else self.env[v]
 
 
 def _sign_test(eqn: JaxprEqn) -> bool:

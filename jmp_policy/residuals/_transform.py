@@ -4,9 +4,9 @@ The function becomes a ``jax.custom_vjp`` whose forward rule runs ``jax.vjp``
 of the function, finds the arrays its residuals are made from (the roots,
 ``_recompute.plan``) and where each comes from (``_origins``), stores in
 float8 those the `Rule` allows (``_format.store``) and keeps the rest; its
-backward rule loads them back into their dtypes, recomputes the residuals and
-runs the function's own backward pass. Undifferentiated, the function runs as
-it is.
+backward rule runs the function's own backward pass, loading each stored array
+back into its dtype (and recomputing the residuals made from it) where that
+pass first reads it. Undifferentiated, the function runs as it is.
 
 >>> import jax, jax.numpy as jnp
 >>> f = in_float8(lambda w, x: [jnp.sum(jnp.tanh(x @ w))], Float8Residuals())
@@ -29,12 +29,13 @@ import jax
 import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
-from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
+from jmp_policy.jaxprs import bind, in_place
 from jmp_policy.paths import display_scope, scope_patterns
 from jmp_policy.residuals._format import Stored, load, store
 from jmp_policy.residuals._origins import Frame, Origin, Producers, origin_of, vjp_jaxpr
-from jmp_policy.residuals._recompute import plan, recompute
+from jmp_policy.residuals._recompute import Plan, Recompute, plan
 from jmp_policy.residuals._rule import Rule
 
 
@@ -132,12 +133,8 @@ def in_float8(fn: Callable[..., list[Any]], residuals: Float8Residuals,
 
     def backward(saved: _Saved, cotangents: list[Any]) -> tuple[Any, ...]:
         vjp_tree, found, layout, wrt, count = saved.meta
-        roots = [saved.arrays[i] if form is None else load(saved.arrays[i], *form)
-                 for i, form in layout]
-        inputs = saved.arrays[len(layout):]
-        kept = recompute(found, dict(zip([*found.roots, *found.inputs], [*roots, *inputs])))
-        vjp = jax.tree_util.tree_unflatten(vjp_tree, kept)
-        grads = vjp([_instantiated(c) for c in cotangents])
+        grads = _backward_pass(vjp_tree, found, layout, saved.arrays,
+                               [_instantiated(c) for c in cotangents])
         full: list[Any] = [None] * count
         for i, g in zip(wrt, grads):
             full[i] = g
@@ -171,6 +168,87 @@ def _store(found: Sequence[Origin], roots: Sequence[Any], rule: Rule,
                 tuple(store(root)))))
         layout.append((len(layout), (shape, dtype)))
     return arrays, tuple(layout)
+
+
+def _backward_pass(vjp_tree: Any, found: Plan, layout: tuple[Any, ...], arrays: list[Any],
+                   cotangents: list[Any]) -> list[Any]:
+    """The gradients that ``jax.vjp``'s function (``vjp_tree``'s, its leaves the plan's
+    residuals) gives for ``cotangents``, each residual loaded or recomputed where the
+    backward pass first reads it.
+
+    Loaded all at once, every layer's residuals would be wide again while the last
+    layer's gradient is computed, and the step's peak memory would not fall. So the
+    backward pass is traced and run equation by equation, and the float8 arrays that
+    an equation needs go through an optimization barrier with a value the backward
+    pass computes just before it: XLA cannot load them earlier.
+    """
+    made = Recompute(found)
+    made.env.update(zip(found.inputs, arrays[len(layout):]))
+    stored: dict[Any, tuple[Stored, tuple[tuple[int, ...], Any]]] = {}
+    for root, (i, form) in zip(found.roots, layout):
+        if form is None:
+            made.env[root] = arrays[i]
+        else:
+            stored[root] = (arrays[i], form)
+
+    def residuals(wanted: Sequence[Any], after: Any) -> tuple[list[Any], Any]:
+        loading = [r for r in made.sources(wanted) if r in stored]
+        float8 = [stored[r][0] for r in loading]
+        if loading and after is not None:
+            float8, after = lax.optimization_barrier(  # type: ignore[no-untyped-call]
+                (float8, after))
+        for r, values in zip(loading, float8):
+            made.env[r] = load(values, *stored.pop(r)[1])
+        return made.make(wanted), after
+
+    def run(kept: list[Any], cts: list[Any]) -> Any:
+        return jax.tree_util.tree_unflatten(vjp_tree, kept)(cts)
+
+    closed = jax.make_jaxpr(run)([_struct(v.aval) for v in found.residuals],
+                                 [_struct(c) for c in cotangents])
+    return _run_lazily(closed, found.residuals, cotangents, residuals)
+
+
+def _run_lazily(closed: ClosedJaxpr, lazy: Sequence[Any], cotangents: Sequence[Any],
+                residuals: Callable[[Sequence[Any], Any], tuple[list[Any], Any]]) -> list[Any]:
+    """Runs ``closed`` (the backward pass: ``lazy`` residuals, then the cotangents, in)
+    on ``cotangents``, making the residuals where an equation first reads them:
+    ``residuals(wanted, after)`` makes them after ``after``, a value computed from the
+    cotangents by then (one the equation reads, else the latest, else ``None``), and
+    returns them and ``after`` as the equation must read it."""
+    jaxpr = closed.jaxpr
+    of = dict(zip(jaxpr.invars[:len(lazy)], lazy))
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars[len(lazy):], cotangents))
+    derived = set(jaxpr.invars[len(lazy):])  # computed from the cotangents
+    latest: Any = None
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    def made(inputs: Sequence[Any]) -> list[Any]:
+        names = [v for v in inputs if not isinstance(v, Literal)]
+        missing = list(dict.fromkeys(v for v in names if v in of and v not in env))
+        if not missing:
+            return [read(v) for v in inputs]
+        at = next((v for v in names if v in derived), None)
+        found, after = residuals([of[v] for v in missing], latest if at is None else env[at])
+        env.update(zip(missing, found))
+        return [after if v is at else read(v) for v in inputs]
+
+    for eqn in jaxpr.eqns:
+        with in_place(eqn):
+            out = bind(eqn, made(eqn.invars))
+        outs = list(out) if eqn.primitive.multiple_results else [out]
+        env.update(zip(eqn.outvars, outs))
+        if any(not isinstance(v, Literal) and v in derived for v in eqn.invars):
+            derived.update(eqn.outvars)
+            latest = outs[0]
+    return made(jaxpr.outvars)
+
+
+def _struct(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # type: ignore[no-untyped-call]
 
 
 def _instantiated(cotangent: Any) -> Any:
