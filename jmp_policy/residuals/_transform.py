@@ -47,8 +47,9 @@ class Float8Residuals:
     products, reductions, loops and custom derivatives, of element-wise work on two
     large roots, and of exponentials) are stored as ``float8_e4m3fn`` values with one
     power-of-two scale per block of 32 values along their last axis (MXFP8's format, 1 +
-    1/32 bytes a value); the backward pass loads them back into their dtypes and
-    recomputes the element-wise residuals from them, as XLA does for plain residuals. A
+    1/32 bytes a value); the backward pass loads each back into its dtype where it
+    first reads it (a layer's, when it reaches that layer) and recomputes the
+    element-wise residuals from them, as XLA does for plain residuals. A
     rule keeps some in their dtype: arguments and constants, statistics (a norm's mean
     and variance, a softmax's sum, and what is computed from them alone), max-subtracted
     logits, values already one byte wide, arrays of fewer than 32 values, and those made
