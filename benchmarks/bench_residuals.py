@@ -1,6 +1,6 @@
 """Float8 residuals: the memory a backward pass keeps, per token and per device.
 
-Two tables, each a ratio to ``mixed_bfloat16``:
+Three tables, each a ratio to ``mixed_bfloat16``:
 
 * ``lm_residuals``: the example LM (``examples/transformer_lm.py``, 2 blocks),
   its loss differentiated with respect to the parameters. ``residual bytes /
@@ -21,6 +21,11 @@ Two tables, each a ratio to ``mixed_bfloat16``:
   ``mixed_bfloat16`` (float32 weights and AdamW), and the example's recipe
   (float8 products, bfloat16 weights, 8-bit AdamW moments) without and with float8
   residuals.
+* ``lm_gpu_size`` (needs the CUDA plugin): the example LM at a GPU's size
+  (``benchmarks.gpu_train_step``'s ``gpu`` preset), its whole train step compiled for
+  one H100: its temporaries and the bytes its kernels read and write
+  (`harness.kernels`), for ``mixed_bfloat16`` and float8 residuals, with and
+  without the attention's softmax (the residual whose storing costs most).
 
 XLA:CPU fuses the rounding into the backward pass's kernels, keeping the wide
 activation alive (the optimization barrier that stops this on XLA:GPU is
@@ -61,6 +66,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
+import jmp_policy  # noqa: E402
 from benchmarks import harness  # noqa: E402
 
 LM_RUNS: Dict[str, Dict[str, Any]] = {
@@ -199,11 +205,48 @@ def scale_table(report: Any, scale_lm: Any, h100: Optional[Any]) -> None:
     print(harness.render_table(table.to_json()), flush=True)
 
 
+GPU_RUNS: Dict[str, Dict[str, Any]] = {
+    "mixed_bfloat16": {},
+    "float8 residuals": {"residuals": "float8"},
+    "float8 residuals, softmax excluded": {"residuals": ("Softmax",)},
+}
+"""Keyword arguments of the example's ``make_train_step``; a tuple of ``residuals`` is
+``Float8Residuals``' ``exclude``."""
+
+
+def gpu_size_table(report: Any, lm: Any) -> None:
+    from benchmarks.gpu_train_step import SIZES  # it imports LM_RUNS from here
+    config = lm.Config(**SIZES["gpu"])
+    table = report.table("lm_gpu_size", "example LM at a GPU's size: the train step on an H100",
+                         baseline="mixed_bfloat16", columns=[
+                             harness.Column("temp", "step temporaries", "bytes"),
+                             harness.Column("kernel_bytes", "bytes its kernels move", "bytes")],
+                         description=f"examples/transformer_lm.py, {SIZES['gpu']}, deviceless "
+                                     "compile, cuBLAS GEMMs")
+    for name, options in GPU_RUNS.items():
+        options = dict(options)
+        if isinstance(options.get("residuals"), tuple):
+            options["residuals"] = jmp_policy.Float8Residuals(exclude=options["residuals"])
+        init, train_step, _ = lm.make_train_step("mixed_bfloat16", config, **options)
+        params, opt_state = jax.eval_shape(lambda: init(0))
+        batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32)
+        args = harness.on_target((params, opt_state, batch), harness.h100_sharding())
+        with harness.callbacks_on_device():
+            compiled = jax.jit(train_step).trace(*args).lower().compile(
+                {"xla_gpu_enable_triton_gemm": False})
+        table.add_row(name, {"temp": compiled.memory_analysis().temp_size_in_bytes,
+                             "kernel_bytes": sum(k.bytes for k in harness.kernels(
+                                 compiled.as_text()))})
+    print(harness.render_table(table.to_json()), flush=True)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", nargs="+", default=None, help=f"of {list(LM_RUNS)}")
-    parser.add_argument("--tables", nargs="+", default=["lm_residuals", "scale_lm_memory"],
-                        help="the tables to measure (default both)")
+    parser.add_argument("--tables", nargs="+",
+                        default=["lm_residuals", "scale_lm_memory", "lm_gpu_size"],
+                        help="the tables to measure (default all; lm_gpu_size needs the CUDA "
+                             "plugin)")
     parser.add_argument("--json", help="default: benchmarks/results/bench_residuals.json")
     args = parser.parse_args(argv)
     lm = harness.load_file("examples/transformer_lm.py")
@@ -216,6 +259,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         lm_table(report, lm, h100, args.runs)
     if "scale_lm_memory" in args.tables:
         scale_table(report, scale_lm, h100)
+    if "lm_gpu_size" in args.tables and h100 is not None:
+        gpu_size_table(report, lm)
     path = args.json or harness.default_json_path("bench_residuals")
     report.write(path)
     print(f"wrote {path}")
