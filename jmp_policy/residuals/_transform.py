@@ -180,8 +180,8 @@ def _backward_pass(vjp_tree: Any, found: Plan, layout: tuple[Any, ...], arrays: 
     Loaded all at once, every layer's residuals would be wide again while the last
     layer's gradient is computed, and the step's peak memory would not fall. So the
     backward pass is traced and run equation by equation, and the float8 arrays that
-    an equation needs go through an optimization barrier with a value the backward
-    pass computes just before it: XLA cannot load them earlier.
+    an equation needs go through an optimization barrier with the latest product the
+    backward pass has computed by then: XLA cannot load them earlier.
     """
     made = Recompute(found)
     made.env.update(zip(found.inputs, arrays[len(layout):]))
@@ -192,15 +192,15 @@ def _backward_pass(vjp_tree: Any, found: Plan, layout: tuple[Any, ...], arrays: 
         else:
             stored[root] = (arrays[i], form)
 
-    def residuals(wanted: Sequence[Any], after: Any) -> tuple[list[Any], Any]:
+    def residuals(wanted: Sequence[Any], after: Any) -> list[Any]:
         loading = [r for r in made.sources(wanted) if r in stored]
         float8 = [stored[r][0] for r in loading]
         if loading and after is not None:
-            float8, after = lax.optimization_barrier(  # type: ignore[no-untyped-call]
+            float8, _ = lax.optimization_barrier(  # type: ignore[no-untyped-call]
                 (float8, after))
         for r, values in zip(loading, float8):
             made.env[r] = load(values, *stored.pop(r)[1])
-        return made.make(wanted), after
+        return made.make(wanted)
 
     def run(kept: list[Any], cts: list[Any]) -> Any:
         return jax.tree_util.tree_unflatten(vjp_tree, kept)(cts)
@@ -210,13 +210,18 @@ def _backward_pass(vjp_tree: Any, found: Plan, layout: tuple[Any, ...], arrays: 
     return _run_lazily(closed, found.residuals, cotangents, residuals)
 
 
+_WRITTEN = frozenset({"dot_general", "ragged_dot_general", "conv_general_dilated", "remat2"})
+"""Equations whose results XLA writes to memory whole (products; a checkpointed layer's
+backward pass, ending in one): a barrier with one of them costs nothing, where a barrier
+with an element-wise value would make XLA write it instead of fusing it."""
+
+
 def _run_lazily(closed: ClosedJaxpr, lazy: Sequence[Any], cotangents: Sequence[Any],
-                residuals: Callable[[Sequence[Any], Any], tuple[list[Any], Any]]) -> list[Any]:
+                residuals: Callable[[Sequence[Any], Any], list[Any]]) -> list[Any]:
     """Runs ``closed`` (the backward pass: ``lazy`` residuals, then the cotangents, in)
     on ``cotangents``, making the residuals where an equation first reads them:
-    ``residuals(wanted, after)`` makes them after ``after``, a value computed from the
-    cotangents by then (one the equation reads, else the latest, else ``None``), and
-    returns them and ``after`` as the equation must read it."""
+    ``residuals(wanted, after)`` makes them after ``after``, the latest value of the
+    backward pass that is written whole (`_WRITTEN`), or ``None`` before the first."""
     jaxpr = closed.jaxpr
     of = dict(zip(jaxpr.invars[:len(lazy)], lazy))
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
@@ -228,14 +233,11 @@ def _run_lazily(closed: ClosedJaxpr, lazy: Sequence[Any], cotangents: Sequence[A
         return v.val if isinstance(v, Literal) else env[v]
 
     def made(inputs: Sequence[Any]) -> list[Any]:
-        names = [v for v in inputs if not isinstance(v, Literal)]
-        missing = list(dict.fromkeys(v for v in names if v in of and v not in env))
-        if not missing:
-            return [read(v) for v in inputs]
-        at = next((v for v in names if v in derived), None)
-        found, after = residuals([of[v] for v in missing], latest if at is None else env[at])
-        env.update(zip(missing, found))
-        return [after if v is at else read(v) for v in inputs]
+        missing = list(dict.fromkeys(v for v in inputs if not isinstance(v, Literal)
+                                     and v in of and v not in env))
+        if missing:  # together: one barrier
+            env.update(zip(missing, residuals([of[v] for v in missing], latest)))
+        return [read(v) for v in inputs]
 
     for eqn in jaxpr.eqns:
         with in_place(eqn):
@@ -244,7 +246,8 @@ def _run_lazily(closed: ClosedJaxpr, lazy: Sequence[Any], cotangents: Sequence[A
         env.update(zip(eqn.outvars, outs))
         if any(not isinstance(v, Literal) and v in derived for v in eqn.invars):
             derived.update(eqn.outvars)
-            latest = outs[0]
+            if eqn.primitive.name in _WRITTEN:
+                latest = outs[0]
     return made(jaxpr.outvars)
 
 
