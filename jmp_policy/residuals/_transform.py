@@ -192,15 +192,15 @@ def _backward_pass(vjp_tree: Any, found: Plan, layout: tuple[Any, ...], arrays: 
         else:
             stored[root] = (arrays[i], form)
 
-    def residuals(wanted: Sequence[Any], after: Any) -> list[Any]:
+    def residuals(wanted: Sequence[Any], after: Any) -> tuple[list[Any], Any]:
         loading = [r for r in made.sources(wanted) if r in stored]
         float8 = [stored[r][0] for r in loading]
         if loading and after is not None:
-            float8, _ = lax.optimization_barrier(  # type: ignore[no-untyped-call]
+            float8, after = lax.optimization_barrier(  # type: ignore[no-untyped-call]
                 (float8, after))
         for r, values in zip(loading, float8):
             made.env[r] = load(values, *stored.pop(r)[1])
-        return made.make(wanted)
+        return made.make(wanted), after
 
     def run(kept: list[Any], cts: list[Any]) -> Any:
         return jax.tree_util.tree_unflatten(vjp_tree, kept)(cts)
@@ -211,43 +211,58 @@ def _backward_pass(vjp_tree: Any, found: Plan, layout: tuple[Any, ...], arrays: 
 
 
 _WRITTEN = frozenset({"dot_general", "ragged_dot_general", "conv_general_dilated", "remat2"})
-"""Equations whose results XLA writes to memory whole (products; a checkpointed layer's
-backward pass, ending in one): a barrier with one of them costs nothing, where a barrier
-with an element-wise value would make XLA write it instead of fusing it."""
+"""Equations whose results XLA writes to memory whole: products, and a checkpointed
+layer's backward pass. Before the first of them there is nothing to wait for, and a
+barrier with an element-wise value (the loss's own backward pass) would make XLA write
+that value whole instead of fusing it."""
 
 
 def _run_lazily(closed: ClosedJaxpr, lazy: Sequence[Any], cotangents: Sequence[Any],
-                residuals: Callable[[Sequence[Any], Any], list[Any]]) -> list[Any]:
+                residuals: Callable[[Sequence[Any], Any], tuple[list[Any], Any]]) -> list[Any]:
     """Runs ``closed`` (the backward pass: ``lazy`` residuals, then the cotangents, in)
     on ``cotangents``, making the residuals where an equation first reads them:
-    ``residuals(wanted, after)`` makes them after ``after``, the latest value of the
-    backward pass that is written whole (`_WRITTEN`), or ``None`` before the first."""
+    ``residuals(wanted, after)`` makes them after ``after`` and returns them with
+    ``after`` as it is to be read from then on. ``after`` is the equation's input
+    computed from the latest `_WRITTEN` value (``None`` if its inputs come from none),
+    or, if it reads nothing computed from the cotangents, the latest `_WRITTEN` value."""
     jaxpr = closed.jaxpr
     of = dict(zip(jaxpr.invars[:len(lazy)], lazy))
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
     env.update(zip(jaxpr.invars[len(lazy):], cotangents))
-    derived = set(jaxpr.invars[len(lazy):])  # computed from the cotangents
-    latest: Any = None
+    # Each value computed from the cotangents -> (the step, the var) of the last written
+    # value it is computed from, (-1, None) if none.
+    source: dict[Any, tuple[int, Any]] = {v: (-1, None) for v in jaxpr.invars[len(lazy):]}
+    latest: tuple[int, Any] = (-1, None)
 
     def read(v: Any) -> Any:
         return v.val if isinstance(v, Literal) else env[v]
 
     def made(inputs: Sequence[Any]) -> list[Any]:
-        missing = list(dict.fromkeys(v for v in inputs if not isinstance(v, Literal)
-                                     and v in of and v not in env))
+        names = [v for v in inputs if not isinstance(v, Literal)]
+        missing = list(dict.fromkeys(v for v in names if v in of and v not in env))
         if missing:  # together: one barrier
-            env.update(zip(missing, residuals([of[v] for v in missing], latest)))
+            ready = [v for v in names if v in source]
+            at = latest[1] if not ready else max(ready, key=lambda v: source[v][0])
+            if ready and source[at][1] is None:
+                at = None  # the loss's own backward, before any product: nothing to wait for
+            found, after = residuals([of[v] for v in missing], None if at is None else env[at])
+            env.update(zip(missing, found))
+            if at is not None:
+                env[at] = after
         return [read(v) for v in inputs]
 
-    for eqn in jaxpr.eqns:
+    for step, eqn in enumerate(jaxpr.eqns):
         with in_place(eqn):
             out = bind(eqn, made(eqn.invars))
         outs = list(out) if eqn.primitive.multiple_results else [out]
         env.update(zip(eqn.outvars, outs))
-        if any(not isinstance(v, Literal) and v in derived for v in eqn.invars):
-            derived.update(eqn.outvars)
+        sources = [source[v] for v in eqn.invars if not isinstance(v, Literal) and v in source]
+        if sources:
+            made_from = (step, eqn.outvars[0]) if eqn.primitive.name in _WRITTEN \
+                else max(sources, key=lambda s: s[0])
+            source.update((v, made_from) for v in eqn.outvars)
             if eqn.primitive.name in _WRITTEN:
-                latest = outs[0]
+                latest = made_from
     return made(jaxpr.outvars)
 
 
