@@ -616,7 +616,6 @@ def test_float8_residuals_of_checkpointed_layers_shrink_the_step():
         temp[str(residuals)] = compiled.memory_analysis().temp_size_in_bytes
     FIGURES["float8_residuals_checkpointed"] = temp
     # The saved products are 4 layers of 2048 x (1024 + 256) values, in float8 half their
-    # bfloat16 bytes: at least three quarters of that saving comes off the peak (a third
-    # came off when every layer's residuals were loaded at once).
+    # bfloat16 bytes: at least three quarters of that saving comes off the peak.
     saving = 4 * 2048 * (1024 + 256) * (2 - 1)
     assert temp["None"] - temp["float8"] >= 0.75 * saving, temp

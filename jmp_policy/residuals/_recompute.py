@@ -30,6 +30,9 @@ element-wise equations that make the residuals from them again:
   ``jax.nn.relu``'s, a jitted block) are inlined by `vjp_jaxpr` first: what is
   inside them is read as if written in place.
 
+`Recompute` makes the residuals again in the backward pass, each from the roots
+it needs, when that pass first reads it.
+
 >>> import jax, jax.numpy as jnp
 >>> from jmp_policy.residuals._origins import vjp_jaxpr
 >>> def gelu_layer(w, x):

@@ -179,9 +179,9 @@ def _backward_pass(vjp_tree: Any, found: Plan, layout: tuple[Any, ...], arrays: 
 
     Loaded all at once, every layer's residuals would be wide again while the last
     layer's gradient is computed, and the step's peak memory would not fall. So the
-    backward pass is traced and run equation by equation, and the float8 arrays that
-    an equation needs go through an optimization barrier with the latest product the
-    backward pass has computed by then: XLA cannot load them earlier.
+    backward pass is traced and run equation by equation (`_run_lazily`), and the
+    float8 arrays that an equation needs go through an optimization barrier with a
+    value the backward pass computes just before: XLA cannot load them earlier.
     """
     made = Recompute(found)
     made.env.update(zip(found.inputs, arrays[len(layout):]))
