@@ -30,10 +30,11 @@ from jax import core, lax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Primitive, jaxpr_as_fun
 
 from jmp_policy.dtypes import is_floating_dtype
-from jmp_policy.autocast.interpreter import Context, Params, autocast_jaxpr, eval_jaxpr, register
+from jmp_policy.autocast.interpreter import (
+    Context, Params, autocast_jaxpr, eval_jaxpr, matmul, register)
 from jmp_policy.jaxprs import bind, scan_sizes
 from jmp_policy.residuals import in_float8
-from jmp_policy.float8 import AmaxHistory, Refused, Slots, stacked
+from jmp_policy.float8 import AmaxHistory, Refused, Slots, saving_scales, stacked
 from jmp_policy.dtypes import convert, dtype_of, join, struct
 
 
@@ -104,7 +105,9 @@ def _remat(ctx: Context, eqn: JaxprEqn, invals: list[Any]) -> Any:
     def body(*args: Any) -> list[Any]:
         return eval_jaxpr(ctx, jaxpr, (), args)
 
-    return jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
+    # With float8 products, the policy also keeps their forward scales (`saving_scales`).
+    policy = p["policy"] if ctx.matmul is matmul else saving_scales(p["policy"])
+    return jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=policy)(*invals)
 
 
 @register(_shard_map_p())

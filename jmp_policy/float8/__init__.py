@@ -65,11 +65,13 @@ from jmp_policy.float8._recipe import (
     operand_dtypes,
     why_not_float8,
 )
+from jmp_policy.float8._scaled import FORWARD_SCALE, saving_scales
 
 __all__ = [
     "BLOCK_SCALES",
     "E4M3",
     "E8M0",
+    "FORWARD_SCALE",
     "NO_LAYERS",
     "SCALINGS",
     "TENSOR_SCALES",
@@ -93,6 +95,7 @@ __all__ = [
     "pad_last",
     "products",
     "quantized_product",
+    "saving_scales",
     "stacked",
     "to_format",
     "why_not_float8",

@@ -18,12 +18,14 @@ The result is rescaled in float32, by the two operands' scales laid out against 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import layout as xla_layout
 from jax.sharding import NamedSharding
 
@@ -41,6 +43,50 @@ from jmp_policy.float8._recipe import Float8Recipe
 
 Quantized = tuple[jax.Array, jax.Array]
 """A float8 operand and its float32 scale, as `quantize` returns them."""
+
+FORWARD_SCALE = "autocast_float8_forward_scale"
+"""The ``checkpoint_name`` of a forward contraction's operand scales."""
+
+
+def saving_scales(policy: Optional[Callable[..., Any]]) -> Optional[Callable[..., Any]]:
+    """``policy`` (a ``jax.checkpoint`` policy), also saving the forward scales of float8
+    products (`FORWARD_SCALE`) if it saves products.
+
+    A float8 product's output is its GEMM's times the operands' scales. A policy that
+    saves the GEMM's output (``dots_saveable`` and the like) would otherwise recompute
+    the scales in the backward pass, and with them everything the operands are made
+    from: a whole attention layer to rescale its output projection. A scale is one
+    value per tensor (or row) of its operand. A policy that recomputes products
+    recomputes their operands anyway, and is returned as it is.
+
+    >>> import jax
+    >>> from jax._src.ad_checkpoint import name_p
+    >>> save = saving_scales(jax.checkpoint_policies.dots_saveable)
+    >>> save(name_p, name=FORWARD_SCALE), save(name_p, name="other")
+    (True, False)
+    >>> saving_scales(jax.checkpoint_policies.nothing_saveable)
+    <function nothing_saveable at ...>
+    """
+    args, params = _product_equation()
+    if policy is None or not policy(*args, **params):
+        return policy
+
+    def save(prim: Any, *args: Any, **params: Any) -> Any:
+        if prim.name == "name" and params.get("name") == FORWARD_SCALE:
+            return True
+        return policy(prim, *args, **params)
+
+    return save
+
+
+@functools.lru_cache(maxsize=None)
+def _product_equation() -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A policy's arguments for a plain product ``x @ w``, as JAX traces it."""
+    eqn = jax.make_jaxpr(lambda x, w: x @ w)(  # type: ignore[no-untyped-call]
+        jax.ShapeDtypeStruct((2, 2), jnp.float32), jax.ShapeDtypeStruct((2, 2), jnp.float32)
+    ).eqns[0]
+    return (eqn.primitive, *(v.aval for v in eqn.invars)), dict(eqn.params)
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +115,13 @@ class Float8:
         else:
             q = quantize(x, dtype, self.recipe.scaling, c.axes[position],
                          power_of_two=power_of_two, seed=seed)
-        forward_rhs = c.eqn is not None and position == 1  # the weight of ``x @ w``
-        return (_in_own_layout(q[0]), *q[1:]) if forward_rhs else q
+        if c.eqn is None:  # a backward contraction's
+            return q
+        # Named, a forward scale is kept by every checkpoint policy (`saving_scales`):
+        # recomputing it would recompute everything its operand is made from.
+        scale = checkpoint_name(q[1], FORWARD_SCALE)  # type: ignore[no-untyped-call]
+        values = _in_own_layout(q[0]) if position == 1 else q[0]  # the weight of ``x @ w``
+        return (values, scale, *q[2:])
 
     def keep(self, x: Any, prepared: Any, dtype: DType, c: Contraction, position: int,
              rest: Sequence[Any]) -> Any:

@@ -47,6 +47,7 @@ True
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from typing import Any, Collection, NamedTuple, Optional, Sequence
@@ -187,6 +188,12 @@ class Recompute:
         self.env: dict[Any, Any] = {}
         self._made_by = {v: i for i, eqn in enumerate(found.eqns) for v in eqn.outvars}
         self._eqns = found.eqns
+
+    def fork(self) -> Recompute:
+        """A `Recompute` of the same residuals whose `env` starts as a copy of this one's."""
+        forked = copy.copy(self)
+        forked.env = dict(self.env)
+        return forked
 
     def sources(self, wanted: Sequence[Any]) -> list[Any]:
         """The roots and inputs that ``wanted`` (vars of the forward jaxpr) are made from

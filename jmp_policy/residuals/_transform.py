@@ -22,6 +22,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from typing import Any, Callable, Collection, Optional, Sequence, Union
 
@@ -29,7 +30,7 @@ import jax
 import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
-from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, jaxpr_as_fun
 
 from jmp_policy.jaxprs import bind, in_place
 from jmp_policy.paths import display_scope, scope_patterns
@@ -183,31 +184,60 @@ def _backward_pass(vjp_tree: Any, found: Plan, layout: tuple[Any, ...], arrays: 
     float8 arrays that an equation needs go through an optimization barrier with a
     value the backward pass computes just before: XLA cannot load them earlier.
     """
-    made = Recompute(found)
-    made.env.update(zip(found.inputs, arrays[len(layout):]))
-    stored: dict[Any, tuple[Stored, tuple[tuple[int, ...], Any]]] = {}
-    for root, (i, form) in zip(found.roots, layout):
-        if form is None:
-            made.env[root] = arrays[i]
-        else:
-            stored[root] = (arrays[i], form)
-
-    def residuals(wanted: Sequence[Any], after: Any) -> tuple[list[Any], Any]:
-        loading = [r for r in made.sources(wanted) if r in stored]
-        float8 = [stored[r][0] for r in loading]
-        if loading and after is not None:
-            float8, after = lax.optimization_barrier(  # type: ignore[no-untyped-call]
-                (float8, after))
-        for r, values in zip(loading, float8):
-            made.env[r] = load(values, *stored.pop(r)[1])
-        return made.make(wanted), after
+    loader = _Loader(found, layout, arrays)
 
     def run(kept: list[Any], cts: list[Any]) -> Any:
         return jax.tree_util.tree_unflatten(vjp_tree, kept)(cts)
 
     closed = jax.make_jaxpr(run)([_struct(v.aval) for v in found.residuals],
                                  [_struct(c) for c in cotangents])
-    return _run_lazily(closed, found.residuals, cotangents, residuals)
+    n = len(found.residuals)
+    return _run_lazily(closed.jaxpr, closed.consts, [None] * n + list(cotangents),
+                       [*found.residuals, *[None] * len(cotangents)],
+                       [None] * n + [False] * len(cotangents), loader)
+
+
+class _Loader:
+    """The residuals of a `Plan` in the backward pass: `fetch` hands over the float8
+    arrays that some of them are made from, `make` loads those and recomputes them."""
+
+    def __init__(self, found: Plan, layout: tuple[Any, ...], arrays: list[Any]) -> None:
+        self.made = Recompute(found)
+        self.made.env.update(zip(found.inputs, arrays[len(layout):]))
+        self.stored: dict[Any, tuple[Stored, tuple[tuple[int, ...], Any]]] = {}
+        for root, (i, form) in zip(found.roots, layout):
+            if form is None:
+                self.made.env[root] = arrays[i]
+            else:
+                self.stored[root] = (arrays[i], form)
+
+    def fetch(self, wanted: Sequence[Any], after: Any) -> tuple[_Fetched, Any]:
+        """The float8 arrays that ``wanted`` are made from, after ``after`` (returned as it
+        is to be read from then on; ``None``: whenever XLA likes)."""
+        roots = [r for r in self.made.sources(wanted) if r in self.stored]
+        float8 = [self.stored[r][0] for r in roots]
+        if roots and after is not None:
+            float8, after = lax.optimization_barrier(  # type: ignore[no-untyped-call]
+                (float8, after))
+        return (roots, float8), after
+
+    def make(self, wanted: Sequence[Any], fetched: _Fetched) -> list[Any]:
+        """``wanted``, the float8 arrays they are made from being ``fetched``."""
+        for root, values in zip(*fetched):
+            self.made.env[root] = load(values, *self.stored.pop(root)[1])
+        return self.made.make(wanted)
+
+    def inside(self, fetched: _Fetched) -> _Loader:
+        """A loader for a call's body, to which ``fetched`` is passed: what it loads and
+        recomputes there stays there."""
+        body = copy.copy(self)
+        body.made = self.made.fork()
+        body.stored = {r: (values, self.stored[r][1]) for r, values in zip(*fetched)}
+        return body
+
+
+_Fetched = tuple[list[Any], list[Stored]]
+"""Roots to load, and their float8 arrays."""
 
 
 _WRITTEN = frozenset({"dot_general", "ragged_dot_general", "conv_general_dilated", "remat2"})
@@ -217,53 +247,134 @@ barrier with an element-wise value (the loss's own backward pass) would make XLA
 that value whole instead of fusing it."""
 
 
-def _run_lazily(closed: ClosedJaxpr, lazy: Sequence[Any], cotangents: Sequence[Any],
-                residuals: Callable[[Sequence[Any], Any], tuple[list[Any], Any]]) -> list[Any]:
-    """Runs ``closed`` (the backward pass: ``lazy`` residuals, then the cotangents, in)
-    on ``cotangents``, making the residuals where an equation first reads them:
-    ``residuals(wanted, after)`` makes them after ``after`` and returns them with
-    ``after`` as it is to be read from then on. ``after`` is the equation's input
-    computed from the latest `_WRITTEN` value (``None`` if its inputs come from none),
-    or, if it reads nothing computed from the cotangents, the latest `_WRITTEN` value."""
-    jaxpr = closed.jaxpr
-    of = dict(zip(jaxpr.invars[:len(lazy)], lazy))
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
-    env.update(zip(jaxpr.invars[len(lazy):], cotangents))
+def _run_lazily(jaxpr: Jaxpr, consts: Sequence[Any], inputs: Sequence[Any],
+                lazy: Sequence[Any], written: Sequence[Optional[bool]],
+                loader: _Loader) -> list[Any]:
+    """Runs ``jaxpr`` (a backward pass, or a checkpointed layer's) on ``inputs``, but
+    where ``lazy`` names a plan residual: that one is made by ``loader`` where an
+    equation first reads it. ``written`` says of each input whether it is computed from
+    the cotangents after a `_WRITTEN` value (``True``), before any (``False``) or not
+    at all (``None``).
+
+    An equation that reads nothing computed from the cotangents (a checkpointed layer
+    recomputing its forward pass) runs where its output is first read. The residuals
+    an equation needs are made after its input computed from the latest `_WRITTEN`
+    value (whenever XLA likes if its inputs come from none); the outputs' after the
+    latest `_WRITTEN` value. A checkpointed layer's backward pass (``remat2``) makes
+    its residuals inside (`_loading_inside`).
+    """
+    of = {v: r for v, r in zip(jaxpr.invars, lazy) if r is not None}
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+    env.update((v, x) for v, x, r in zip(jaxpr.invars, inputs, lazy) if r is None)
     # Each value computed from the cotangents -> (the step, the var) of the last written
     # value it is computed from, (-1, None) if none.
-    source: dict[Any, tuple[int, Any]] = {v: (-1, None) for v in jaxpr.invars[len(lazy):]}
+    source = {v: (-1, v if w else None) for v, w in zip(jaxpr.invars, written) if w is not None}
     latest: tuple[int, Any] = (-1, None)
+    deferred: dict[Any, int] = {}  # var -> the step of the deferred equation making it
+
+    def needs(inputs: Sequence[Any]) -> tuple[list[Any], list[int]]:
+        """The lazy inputs that ``inputs`` need and the deferred steps that make them."""
+        missing: list[Any] = []
+        steps: set[int] = set()
+        stack = [v for v in inputs if not isinstance(v, Literal)]
+        while stack:
+            v = stack.pop()
+            if v in env or v in missing:
+                continue
+            if v in of:
+                missing.append(v)
+            elif deferred[v] not in steps:
+                steps.add(deferred[v])
+                stack += [u for u in jaxpr.eqns[deferred[v]].invars if not isinstance(u, Literal)]
+        return missing, sorted(steps)
+
+    def fetch(missing: Sequence[Any], at: Any) -> _Fetched:
+        """The float8 arrays of ``missing``, after ``at`` (a var, or ``None``)."""
+        fetched, after = loader.fetch([of[v] for v in missing], None if at is None else env[at])
+        if at is not None:
+            env[at] = after
+        return fetched
+
+    def ready(inputs: Sequence[Any], at: Any) -> None:
+        """Makes ``inputs``: lazy ones after ``at``, then the deferred equations."""
+        missing, steps = needs(inputs)
+        if missing:  # together: one barrier
+            env.update(zip(missing, loader.make([of[v] for v in missing], fetch(missing, at))))
+        for step in steps:
+            run(jaxpr.eqns[step])
+
+    def run(eqn: JaxprEqn, at: Any = None) -> None:
+        names = [v for v in eqn.invars if not isinstance(v, Literal)]
+        names_or_none = [None if isinstance(v, Literal) else v for v in eqn.invars]
+        direct = [v for v in dict.fromkeys(names) if v in of and v not in env]
+        inside = direct and eqn.primitive.name == "remat2"
+        ready([v for v in names if not (inside and v in direct)], at)
+        with in_place(eqn):
+            if inside:
+                lazies = [of.get(v) if v in direct else None for v in names_or_none]
+                out = _loading_inside(eqn, lazies, fetch(direct, at), loader,
+                                      [None if r is not None else read(v)
+                                       for v, r in zip(eqn.invars, lazies)],
+                                      [_written(v, source) for v in eqn.invars])
+            else:
+                out = bind(eqn, [read(v) for v in eqn.invars])
+        env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
 
     def read(v: Any) -> Any:
         return v.val if isinstance(v, Literal) else env[v]
 
-    def made(inputs: Sequence[Any]) -> list[Any]:
-        names = [v for v in inputs if not isinstance(v, Literal)]
-        missing = list(dict.fromkeys(v for v in names if v in of and v not in env))
-        if missing:  # together: one barrier
-            ready = [v for v in names if v in source]
-            at = latest[1] if not ready else max(ready, key=lambda v: source[v][0])
-            if ready and source[at][1] is None:
-                at = None  # the loss's own backward, before any product: nothing to wait for
-            found, after = residuals([of[v] for v in missing], None if at is None else env[at])
-            env.update(zip(missing, found))
-            if at is not None:
-                env[at] = after
-        return [read(v) for v in inputs]
-
     for step, eqn in enumerate(jaxpr.eqns):
-        with in_place(eqn):
-            out = bind(eqn, made(eqn.invars))
-        outs = list(out) if eqn.primitive.multiple_results else [out]
-        env.update(zip(eqn.outvars, outs))
-        sources = [source[v] for v in eqn.invars if not isinstance(v, Literal) and v in source]
+        derived = [v for v in eqn.invars if not isinstance(v, Literal) and v in source]
+        sources = [source[v] for v in derived]
+        if not sources and not eqn.effects:
+            deferred.update((v, step) for v in eqn.outvars)
+            continue
+        # The input computed from the latest written value: the loads wait for it.
+        at = max(derived, key=lambda v: source[v][0]) if derived else latest[1]
+        run(eqn, None if derived and source[at][1] is None else at)
         if sources:
             made_from = (step, eqn.outvars[0]) if eqn.primitive.name in _WRITTEN \
                 else max(sources, key=lambda s: s[0])
             source.update((v, made_from) for v in eqn.outvars)
             if eqn.primitive.name in _WRITTEN:
                 latest = made_from
-    return made(jaxpr.outvars)
+    ready(jaxpr.outvars, latest[1])
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _written(v: Any, source: dict[Any, tuple[int, Any]]) -> Optional[bool]:
+    if isinstance(v, Literal) or v not in source:
+        return None
+    return source[v][1] is not None
+
+
+def _loading_inside(eqn: JaxprEqn, lazies: Sequence[Any], fetched: _Fetched, loader: _Loader,
+                    invals: Sequence[Any], written: Sequence[Optional[bool]]) -> Any:
+    """``eqn`` (a checkpointed layer's backward pass) on ``invals``, but where ``lazies``
+    names a plan residual: that one is made inside its body from ``fetched``
+    (`_run_lazily`, ``written`` saying which ``invals`` come from the cotangents).
+
+    JAX keeps a checkpointed computation from being merged with the rest of the program
+    by an optimization barrier on its inputs, which XLA writes to memory whole: made
+    outside, the residuals would be written wide; made inside, float8 arrays are, and
+    the loads fuse into the layer's kernels, where the layer first reads them.
+    """
+    roots, float8 = fetched
+    leaves, tree = jax.tree_util.tree_flatten(float8)
+    given = [x for x, r in zip(invals, lazies) if r is None]
+
+    def body(*args: Any) -> list[Any]:
+        inner = loader.inside((roots, jax.tree_util.tree_unflatten(tree, args[:len(leaves)])))
+        rest = iter(args[len(leaves):])
+        return _run_lazily(eqn.params["jaxpr"], (),
+                           [None if r is not None else next(rest) for r in lazies],
+                           lazies, written, inner)
+
+    closed = jax.make_jaxpr(body)(*leaves, *given)
+    inner = closed.jaxpr.replace(
+        constvars=[], invars=[*closed.jaxpr.constvars, *closed.jaxpr.invars],
+        debug_info=closed.jaxpr.debug_info._replace(arg_names=None))
+    return bind(eqn, [*closed.consts, *leaves, *given], {**eqn.params, "jaxpr": inner})
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
