@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from support.jaxpr_walk import TANH_DERIVATIVE
+from support.jaxpr_walk import TANH_DERIVATIVE, checkpointed_backward, is_product, products_before
 
 import jmp_policy
 from jmp_policy.residuals import load, store
@@ -361,6 +361,24 @@ def test_each_checkpointed_layers_residuals_load_where_the_backward_pass_reaches
         after.update((v, deps) for v in eqn.outvars)
     # The last layer's residuals wait for nothing, the first layer's for the three after it.
     assert sorted(waits) == [0, 1, 2, 3], waits
+
+
+def test_a_checkpointed_layer_recomputes_its_attention_after_its_mlps_backward_pass():
+    """A layer recomputing its attention at the start of its backward pass would hold
+    the attention's arrays beside the MLP's: the recomputation (from float8 residuals)
+    must wait for a product of the layer's backward pass, its MLP's."""
+    def layer(w2, x, wo):
+        h = x @ wo
+        o = jnp.einsum("bqk,bkd->bqd", jnp.einsum("bqd,bkd->bqk", h, h), h)
+        return jnp.sum(jnp.tanh(jnp.tanh(x + o @ wo) @ w2))
+
+    f = jmp_policy.autocast(
+        jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+        "mixed_bfloat16", fp8="tensorwise", residuals="float8")
+    x, w2, wo = rng(4, 16, 32), rng(32, 24, seed=1, scale=0.2), rng(32, 32, seed=2, scale=0.2)
+    body = checkpointed_backward(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(w2, x, wo))
+    recomputed = [e for e in body.eqns if is_product(e, batched=True)][:2]
+    assert [products_before(body, e, batched=False) for e in recomputed] == [1, 1]
 
 
 @pytest.mark.slow  # integration with the recipes, modules and meshes

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from support.jaxpr_walk import checkpointed_backward, is_product, products_before
 from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 
 import jmp_policy
@@ -113,6 +114,27 @@ def test_policies_save_and_recompute_what_they_do_in_plain_jax(recipe, policy, i
     ref = in_compute_dtype(layer, recipe)
     ref = jax.checkpoint(ref, policy=POLICIES[policy]) if inside else ref
     check_as_plain_jax(f, ref, POLICIES[policy], *args())
+
+
+def attention_then_mlp(w2, x, wo):
+    """An attention-like batched product under a projection (``wo``), then an MLP (``w2``)."""
+    h = x @ wo
+    o = jnp.einsum("bqk,bkd->bqd", jnp.einsum("bqd,bkd->bqk", h, h), h)
+    return jnp.sum(jnp.tanh(jnp.tanh(x + o @ wo) @ w2))
+
+
+@pytest.mark.parametrize("fp8", FLOAT8)
+def test_a_float8_products_saved_output_is_rescaled_without_recomputing_its_operand(fp8):
+    # The MLP reads x + o @ wo, saved by the policy: rescaling it must not recompute the
+    # attention it comes from (a float8 product's scales are kept with its output).
+    f = autocast(jax.checkpoint(attention_then_mlp, policy=cp.dots_with_no_batch_dims_saveable),
+                 "mixed_bfloat16", fp8=fp8)
+    x = jax.random.normal(jax.random.key(0), (4, 16, 32))
+    w2, wo = jax.random.normal(jax.random.key(1), (32, 24)), jnp.eye(32)
+    body = checkpointed_backward(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(w2, x, wo))
+    (w2_gradient,) = [e for e in body.eqns if is_product(e, batched=False)
+                      and sorted(e.outvars[0].aval.shape) == [24, 32]]
+    assert products_before(body, w2_gradient, batched=True) == 0
 
 
 @pytest.mark.parametrize("recipe", HALF)

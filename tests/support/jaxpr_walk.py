@@ -21,4 +21,32 @@ def eqns(jaxpr):
         yield eqn
 
 
-__all__ = ["TANH_DERIVATIVE", "eqns", "scoped_eqns"]
+def checkpointed_backward(jaxpr):
+    """The body of the last checkpointed backward pass (a differentiated ``remat2``) in
+    ``jaxpr``, nested ones included."""
+    passes = [e for e in eqns(jaxpr) if e.primitive.name == "remat2" and e.params["differentiated"]]
+    return passes[-1].params["jaxpr"]
+
+
+def products_before(jaxpr, eqn, batched):
+    """How many products with (``batched``) or without batch axes ``eqn`` of ``jaxpr`` (not
+    nested) is computed from."""
+    made = {v: e for e in jaxpr.eqns for v in e.outvars}
+    seen, stack = {}, [eqn]
+    while stack:
+        for v in stack.pop().invars:
+            producer = None if isinstance(v, jax.extend.core.Literal) else made.get(v)
+            if producer is not None and id(producer) not in seen:
+                seen[id(producer)] = producer
+                stack.append(producer)
+    return sum(is_product(e, batched) for e in seen.values())
+
+
+def is_product(eqn, batched):
+    """Whether ``eqn`` is a ``dot_general`` with (``batched``) or without batch axes."""
+    return eqn.primitive.name == "dot_general" and \
+        bool(eqn.params["dimension_numbers"][1][0]) == batched
+
+
+__all__ = ["TANH_DERIVATIVE", "checkpointed_backward", "eqns", "is_product", "products_before",
+           "scoped_eqns"]
