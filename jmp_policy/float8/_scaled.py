@@ -82,9 +82,8 @@ def saving_scales(policy: Optional[Callable[..., Any]]) -> Optional[Callable[...
 @functools.lru_cache(maxsize=None)
 def _product_equation() -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A policy's arguments for a plain product ``x @ w``, as JAX traces it."""
-    eqn = jax.make_jaxpr(lambda x, w: x @ w)(  # type: ignore[no-untyped-call]
-        jax.ShapeDtypeStruct((2, 2), jnp.float32), jax.ShapeDtypeStruct((2, 2), jnp.float32)
-    ).eqns[0]
+    operand = jax.ShapeDtypeStruct((2, 2), jnp.float32)  # type: ignore[no-untyped-call]
+    eqn = jax.make_jaxpr(lambda x, w: x @ w)(operand, operand).eqns[0]
     return (eqn.primitive, *(v.aval for v in eqn.invars)), dict(eqn.params)
 
 
