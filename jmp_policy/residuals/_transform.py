@@ -217,8 +217,8 @@ class _Loader:
         roots = [r for r in self.made.sources(wanted) if r in self.stored]
         float8 = [self.stored[r][0] for r in roots]
         if roots and after is not None:
-            float8, after = lax.optimization_barrier(  # type: ignore[no-untyped-call]
-                (float8, after))
+            float8, after = lax.platform_dependent(  # type: ignore[no-untyped-call]
+                (float8, after), cpu=_in_order_on_cpu, default=_in_order)
         return (roots, float8), after
 
     def make(self, wanted: Sequence[Any], fetched: _Fetched) -> list[Any]:
@@ -234,6 +234,23 @@ class _Loader:
         body.made = self.made.fork()
         body.stored = {r: (values, self.stored[r][1]) for r, values in zip(*fetched)}
         return body
+
+
+def _in_order(values: Any) -> Any:
+    """``values`` (float8 arrays, then a value of the backward pass) through an
+    optimization barrier: XLA cannot read the arrays before that value is computed."""
+    return lax.optimization_barrier(values)  # type: ignore[no-untyped-call]
+
+
+def _in_order_on_cpu(values: Any) -> Any:
+    """`_in_order` on XLA:CPU, which removes optimization barriers before it schedules
+    and fuses (loads would be fused into the forward pass's stores, and kept wide):
+    through a conditional on a value that XLA cannot know when compiling (a random
+    number), whose operands are all computed before it runs."""
+    _, bits = lax.rng_bit_generator(np.zeros(4, np.uint32), (), np.uint32)
+    taken = lax.ne(lax.bitwise_or(bits, np.uint32(1)), np.uint32(0))  # always
+    return lax.cond(taken, lambda v: v,
+                    lambda v: jax.tree_util.tree_map(lambda x: lax.full_like(x, 0), v), values)
 
 
 _Fetched = tuple[list[Any], list[Stored]]
