@@ -217,8 +217,8 @@ class _Loader:
         roots = [r for r in self.made.sources(wanted) if r in self.stored]
         float8 = [self.stored[r][0] for r in roots]
         if roots and after is not None:
-            float8, after = lax.platform_dependent(  # type: ignore[no-untyped-call]
-                (float8, after), cpu=_in_order_on_cpu, default=_in_order)
+            float8, after = lax.platform_dependent((float8, after), cpu=_in_order_on_cpu,
+                                                   default=_in_order)
         return (roots, float8), after
 
     def make(self, wanted: Sequence[Any], fetched: _Fetched) -> list[Any]:
@@ -247,7 +247,8 @@ def _in_order_on_cpu(values: Any) -> Any:
     and fuses (loads would be fused into the forward pass's stores, and kept wide):
     through a conditional on a value that XLA cannot know when compiling (a random
     number), whose operands are all computed before it runs."""
-    _, bits = lax.rng_bit_generator(np.zeros(4, np.uint32), (), np.uint32)
+    _, bits = lax.rng_bit_generator(  # type: ignore[no-untyped-call]
+        np.zeros(4, np.uint32), (), np.uint32)
     taken = lax.ne(lax.bitwise_or(bits, np.uint32(1)), np.uint32(0))  # always
     return lax.cond(taken, lambda v: v,
                     lambda v: jax.tree_util.tree_map(lambda x: lax.full_like(x, 0), v), values)
