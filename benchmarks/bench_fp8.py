@@ -147,6 +147,7 @@ TRAINING_RUNS: dict[str, Any] = {
     "mxfp8, float8 residuals": {"fp8": "mxfp8", "residuals": "float8"},
     "nvfp4, float8 residuals": {"fp8": "nvfp4", "residuals": "float8"},
     "delayed, float8 residuals": {"fp8": "delayed", "residuals": "float8"},
+    "nvfp4, bf16 last 10%, float8 residuals": ({"fp8": "nvfp4", "residuals": "float8"}, 0.1),
 }
 
 
