@@ -181,8 +181,9 @@ def _backward_pass(vjp_tree: Any, found: Plan, layout: tuple[Any, ...], arrays: 
     Loaded all at once, every layer's residuals would be wide again while the last
     layer's gradient is computed, and the step's peak memory would not fall. So the
     backward pass is traced and run equation by equation (`_run_lazily`), and the
-    float8 arrays that an equation needs go through an optimization barrier with a
-    value the backward pass computes just before: XLA cannot load them earlier.
+    float8 arrays that an equation needs go through an optimization barrier (on
+    XLA:CPU, a conditional) with a value the backward pass computes just before: XLA
+    cannot load them earlier.
     """
     loader = _Loader(found, layout, arrays)
 
@@ -281,89 +282,103 @@ def _run_lazily(jaxpr: Jaxpr, consts: Sequence[Any], inputs: Sequence[Any],
     latest `_WRITTEN` value. A checkpointed layer's backward pass (``remat2``) makes
     its residuals inside (`_loading_inside`).
     """
-    of = {v: r for v, r in zip(jaxpr.invars, lazy) if r is not None}
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
-    env.update((v, x) for v, x, r in zip(jaxpr.invars, inputs, lazy) if r is None)
-    # Each value computed from the cotangents -> (the step, the var) of the last written
-    # value it is computed from, (-1, None) if none.
-    source = {v: (-1, v if w else None) for v, w in zip(jaxpr.invars, written) if w is not None}
-    latest: tuple[int, Any] = (-1, None)
-    deferred: dict[Any, int] = {}  # var -> the step of the deferred equation making it
+    run = _LazyRun(jaxpr, consts, inputs, lazy, written, loader)
+    for step, eqn in enumerate(jaxpr.eqns):
+        derived = [v for v in eqn.invars if not isinstance(v, Literal) and v in run.source]
+        if not derived and not eqn.effects:
+            run.deferred.update((v, step) for v in eqn.outvars)
+            continue
+        # The input computed from the latest written value: the loads wait for it.
+        at = max(derived, key=lambda v: run.source[v][0]) if derived else run.latest[1]
+        run.equation(eqn, None if derived and run.source[at][1] is None else at)
+        if derived:
+            made_from = (step, eqn.outvars[0]) if eqn.primitive.name in _WRITTEN \
+                else max((run.source[v] for v in derived), key=lambda s: s[0])
+            run.source.update((v, made_from) for v in eqn.outvars)
+            if eqn.primitive.name in _WRITTEN:
+                run.latest = made_from
+    run.ready(jaxpr.outvars, run.latest[1])
+    return [run.read(v) for v in jaxpr.outvars]
 
-    def needs(inputs: Sequence[Any]) -> tuple[list[Any], list[int]]:
+
+class _LazyRun:
+    """The state of `_run_lazily`: the values computed, the lazy inputs, the equations
+    deferred, and where each value computed from the cotangents comes from."""
+
+    def __init__(self, jaxpr: Jaxpr, consts: Sequence[Any], inputs: Sequence[Any],
+                 lazy: Sequence[Any], written: Sequence[Optional[bool]],
+                 loader: _Loader) -> None:
+        self.jaxpr, self.loader = jaxpr, loader
+        self.of = {v: r for v, r in zip(jaxpr.invars, lazy) if r is not None}
+        self.env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+        self.env.update((v, x) for v, x, r in zip(jaxpr.invars, inputs, lazy) if r is None)
+        # Each value computed from the cotangents -> (the step, the var) of the last
+        # written value it is computed from, (-1, None) if none.
+        self.source = {v: (-1, v if w else None)
+                       for v, w in zip(jaxpr.invars, written) if w is not None}
+        self.latest: tuple[int, Any] = (-1, None)
+        self.deferred: dict[Any, int] = {}  # var -> the step of the equation making it
+
+    def read(self, v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else self.env[v]
+
+    def ready(self, inputs: Sequence[Any], at: Any) -> None:
+        """Makes ``inputs``: lazy ones after ``at``, then the deferred equations."""
+        missing, steps = self._needs(inputs)
+        if missing:  # together: one barrier
+            made = self.loader.make([self.of[v] for v in missing], self._fetch(missing, at))
+            self.env.update(zip(missing, made))
+        for step in steps:
+            self.equation(self.jaxpr.eqns[step])
+
+    def equation(self, eqn: JaxprEqn, at: Any = None) -> None:
+        """Runs ``eqn``, its inputs made after ``at``."""
+        lazies = [self.of[v] if not isinstance(v, Literal) and v in self.of
+                  and v not in self.env else None for v in eqn.invars]
+        inside = eqn.primitive.name == "remat2" and any(r is not None for r in lazies)
+        self.ready([v for v, r in zip(eqn.invars, lazies) if not (inside and r is not None)],
+                   at)
+        with in_place(eqn):
+            if inside:
+                direct = list(dict.fromkeys(v for v, r in zip(eqn.invars, lazies) if r is not None))
+                out = _loading_inside(eqn, lazies, self._fetch(direct, at), self.loader,
+                                      [None if r is not None else self.read(v)
+                                       for v, r in zip(eqn.invars, lazies)],
+                                      [self._written(v) for v in eqn.invars])
+            else:
+                out = bind(eqn, [self.read(v) for v in eqn.invars])
+        self.env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
+
+    def _needs(self, inputs: Sequence[Any]) -> tuple[list[Any], list[int]]:
         """The lazy inputs that ``inputs`` need and the deferred steps that make them."""
         missing: list[Any] = []
         steps: set[int] = set()
         stack = [v for v in inputs if not isinstance(v, Literal)]
         while stack:
             v = stack.pop()
-            if v in env or v in missing:
+            if v in self.env or v in missing:
                 continue
-            if v in of:
+            if v in self.of:
                 missing.append(v)
-            elif deferred[v] not in steps:
-                steps.add(deferred[v])
-                stack += [u for u in jaxpr.eqns[deferred[v]].invars if not isinstance(u, Literal)]
+            elif self.deferred[v] not in steps:
+                steps.add(self.deferred[v])
+                stack += [u for u in self.jaxpr.eqns[self.deferred[v]].invars
+                          if not isinstance(u, Literal)]
         return missing, sorted(steps)
 
-    def fetch(missing: Sequence[Any], at: Any) -> _Fetched:
+    def _fetch(self, missing: Sequence[Any], at: Any) -> _Fetched:
         """The float8 arrays of ``missing``, after ``at`` (a var, or ``None``)."""
-        fetched, after = loader.fetch([of[v] for v in missing], None if at is None else env[at])
+        fetched, after = self.loader.fetch([self.of[v] for v in missing],
+                                           None if at is None else self.env[at])
         if at is not None:
-            env[at] = after
+            self.env[at] = after
         return fetched
 
-    def ready(inputs: Sequence[Any], at: Any) -> None:
-        """Makes ``inputs``: lazy ones after ``at``, then the deferred equations."""
-        missing, steps = needs(inputs)
-        if missing:  # together: one barrier
-            env.update(zip(missing, loader.make([of[v] for v in missing], fetch(missing, at))))
-        for step in steps:
-            run(jaxpr.eqns[step])
-
-    def run(eqn: JaxprEqn, at: Any = None) -> None:
-        names = [v for v in eqn.invars if not isinstance(v, Literal)]
-        names_or_none = [None if isinstance(v, Literal) else v for v in eqn.invars]
-        direct = [v for v in dict.fromkeys(names) if v in of and v not in env]
-        inside = direct and eqn.primitive.name == "remat2"
-        ready([v for v in names if not (inside and v in direct)], at)
-        with in_place(eqn):
-            if inside:
-                lazies = [of.get(v) if v in direct else None for v in names_or_none]
-                out = _loading_inside(eqn, lazies, fetch(direct, at), loader,
-                                      [None if r is not None else read(v)
-                                       for v, r in zip(eqn.invars, lazies)],
-                                      [_written(v, source) for v in eqn.invars])
-            else:
-                out = bind(eqn, [read(v) for v in eqn.invars])
-        env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, Literal) else env[v]
-
-    for step, eqn in enumerate(jaxpr.eqns):
-        derived = [v for v in eqn.invars if not isinstance(v, Literal) and v in source]
-        sources = [source[v] for v in derived]
-        if not sources and not eqn.effects:
-            deferred.update((v, step) for v in eqn.outvars)
-            continue
-        # The input computed from the latest written value: the loads wait for it.
-        at = max(derived, key=lambda v: source[v][0]) if derived else latest[1]
-        run(eqn, None if derived and source[at][1] is None else at)
-        if sources:
-            made_from = (step, eqn.outvars[0]) if eqn.primitive.name in _WRITTEN \
-                else max(sources, key=lambda s: s[0])
-            source.update((v, made_from) for v in eqn.outvars)
-            if eqn.primitive.name in _WRITTEN:
-                latest = made_from
-    ready(jaxpr.outvars, latest[1])
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _written(v: Any, source: dict[Any, tuple[int, Any]]) -> Optional[bool]:
-    if isinstance(v, Literal) or v not in source:
-        return None
-    return source[v][1] is not None
+    def _written(self, v: Any) -> Optional[bool]:
+        """``written`` (see `_run_lazily`) of ``v`` as a body's input."""
+        if isinstance(v, Literal) or v not in self.source:
+            return None
+        return self.source[v][1] is not None
 
 
 def _loading_inside(eqn: JaxprEqn, lazies: Sequence[Any], fetched: _Fetched, loader: _Loader,
