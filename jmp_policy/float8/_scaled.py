@@ -87,7 +87,6 @@ def _product_equation() -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (eqn.primitive, *(v.aval for v in eqn.invars)), dict(eqn.params)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Float8:
     """Float8 operands: one scale per tensor, or per row along the axes a contraction keeps
@@ -116,8 +115,8 @@ class Float8:
                          power_of_two=power_of_two, seed=seed)
         if c.eqn is None:  # a backward contraction's
             return q
-        # Named, a forward scale is kept by every checkpoint policy (`saving_scales`):
-        # recomputing it would recompute everything its operand is made from.
+        # Named, a forward scale is kept by a checkpoint policy that saves products
+        # (`saving_scales`): recomputed, it would recompute all its operand is made from.
         scale = checkpoint_name(q[1], FORWARD_SCALE)  # type: ignore[no-untyped-call]
         values = _in_own_layout(q[0]) if position == 1 else q[0]  # the weight of ``x @ w``
         return (values, scale, *q[2:])
