@@ -148,6 +148,8 @@ TRAINING_RUNS: dict[str, Any] = {
     "nvfp4, float8 residuals": {"fp8": "nvfp4", "residuals": "float8"},
     "delayed, float8 residuals": {"fp8": "delayed", "residuals": "float8"},
     "nvfp4, bf16 last 10%, float8 residuals": ({"fp8": "nvfp4", "residuals": "float8"}, 0.1),
+    "tensorwise, float8 residuals, softmax excluded":
+        {"fp8": "tensorwise", "residuals": jmp_policy.Float8Residuals(exclude=("Softmax",))},
 }
 
 
