@@ -890,8 +890,8 @@ def unknown_one(dtype: Any) -> jax.Array:
         return one
 
     def cpu() -> jax.Array:
-        _, bits = lax.rng_bit_generator(  # type: ignore[no-untyped-call]
-            np.zeros(4, np.uint32), (), np.uint32)
+        key = lax.broadcast(np.uint32(0), (4,))  # made, not a constant (a checkpoint saves those)
+        _, bits = lax.rng_bit_generator(key, (), np.uint32)  # type: ignore[no-untyped-call]
         zero = lax.shift_right_logical(lax.clz(bits), np.uint32(6))  # clz <= 32
         return lax.convert_element_type(lax.sub(np.uint32(1), zero), dtype)
 
