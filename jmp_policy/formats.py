@@ -26,8 +26,7 @@ a bit pattern: the float8 and block-scaled products, the numerics inspector,
 * **random bits** for stochastic rounding (`random_bits`), and the one table of
   the seed streams of the library's roundings (`SEED_STREAMS`);
 * `unfoldable`, which keeps XLA from reducing a constant array when it compiles
-  (the statistics and scales computed from bit patterns reduce whole arrays),
-  with `unknown_one`.
+  (the statistics and scales computed from bit patterns reduce whole arrays).
 
 Why not ``x.astype(dtype).astype(jnp.float32)``? Under ``jit``, XLA:GPU (with
 ``xla_allow_excess_precision``, its default) replaces a float round trip
@@ -87,7 +86,7 @@ __all__ = [
     # random bits
     "random_bits", "stream_key", "salted_bits", "SeedStreams", "SEED_STREAMS", "fixed_seed",
     # reductions
-    "unfoldable", "unknown_one",
+    "unfoldable",
 ]
 
 _F32 = np.dtype(np.float32)
@@ -869,31 +868,5 @@ def unfoldable(x: Any) -> jax.Array:
     large one, in every backend's compile. Fused into the reduction, the multiplication
     costs no memory traffic.
     """
-    return lax.mul(x, unknown_one(jnp.result_type(x)))
-
-
-def unknown_one(dtype: Any) -> jax.Array:
-    """A one of ``dtype`` that XLA does not know when it compiles: behind an optimization
-    barrier, or on XLA:CPU (which removes those before it simplifies) computed from a
-    random number, as ``1 - clz(bits) // 64``.
-
-    On XLA:CPU, a known one is a constant whose broadcast XLA writes whole and shares
-    between every product of one shape, alive from the forward pass to the backward.
-
-    >>> import jax.numpy as jnp
-    >>> unknown_one(jnp.float32)
-    Array(1., dtype=float32)
-    """
-    def barrier() -> jax.Array:
-        one: jax.Array = lax.optimization_barrier(  # type: ignore[no-untyped-call]
-            jnp.ones((), dtype))
-        return one
-
-    def cpu() -> jax.Array:
-        key = lax.broadcast(np.uint32(0), (4,))  # made, not a constant (a checkpoint saves those)
-        _, bits = lax.rng_bit_generator(key, (), np.uint32)  # type: ignore[no-untyped-call]
-        zero = lax.shift_right_logical(lax.clz(bits), np.uint32(6))  # clz <= 32
-        return lax.convert_element_type(lax.sub(np.uint32(1), zero), dtype)
-
-    one: jax.Array = lax.platform_dependent(cpu=cpu, default=barrier)
-    return one
+    one = lax.optimization_barrier(jnp.ones((), jnp.result_type(x)))  # type: ignore[no-untyped-call]
+    return lax.mul(x, one)

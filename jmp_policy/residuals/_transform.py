@@ -32,7 +32,6 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, jaxpr_as_fun
 
-from jmp_policy.formats import unknown_one
 from jmp_policy.jaxprs import bind, in_place
 from jmp_policy.paths import display_scope, scope_patterns
 from jmp_policy.residuals._format import Stored, load, store
@@ -247,9 +246,11 @@ def _in_order(values: Any) -> Any:
 def _in_order_on_cpu(values: Any) -> Any:
     """`_in_order` on XLA:CPU, which removes optimization barriers before it schedules
     and fuses (loads would be fused into the forward pass's stores, and kept wide):
-    through a conditional on a value that XLA cannot know when compiling
-    (`formats.unknown_one`), whose operands are all computed before it runs."""
-    taken = lax.ne(unknown_one(np.uint32), np.uint32(0))  # always
+    through a conditional on a value that XLA cannot know when compiling (a random
+    number), whose operands are all computed before it runs."""
+    key = lax.broadcast(np.uint32(0), (4,))  # made, not a constant (a checkpoint saves those)
+    _, bits = lax.rng_bit_generator(key, (), np.uint32)  # type: ignore[no-untyped-call]
+    taken = lax.ne(lax.bitwise_or(bits, np.uint32(1)), np.uint32(0))  # always
     return lax.cond(taken, lambda v: v,
                     lambda v: jax.tree_util.tree_map(lambda x: lax.full_like(x, 0), v), values)
 
