@@ -860,13 +860,26 @@ def fixed_seed(stream: int) -> jax.Array:
 # --- Reductions that XLA does not fold ---------------------------------------------------------
 
 def unfoldable(x: Any) -> jax.Array:
-    """Floating ``x`` times a one that XLA cannot see: a reduction of it is never evaluated
-    at compile time. (Exact: ``x * 1`` is ``x``, infs and NaNs included.)
+    """Floating ``x`` as a value that XLA cannot see when it compiles: a reduction of it is
+    never evaluated at compile time. (Exact: ``x`` times a one behind an optimization
+    barrier, infs and NaNs included; on XLA:CPU, ``x`` itself behind the barrier.)
 
     A constant ``x`` (the cotangent of a loss linear in a product, a mask) would
     otherwise be reduced by XLA's constant folding, element by element: minutes for a
     large one, in every backend's compile. Fused into the reduction, the multiplication
-    costs no memory traffic.
+    costs no memory traffic. XLA:CPU removes optimization barriers after it folds
+    constants and before it fuses: the hidden one would be a constant there, whose
+    broadcast it writes whole and shares between the products of one shape, alive from
+    the forward pass to the backward; nothing of a barrier on ``x`` is left.
     """
-    one = lax.optimization_barrier(jnp.ones((), jnp.result_type(x)))  # type: ignore[no-untyped-call]
-    return lax.mul(x, one)
+    def times_one(x: Any) -> jax.Array:
+        one = lax.optimization_barrier(  # type: ignore[no-untyped-call]
+            jnp.ones((), jnp.result_type(x)))
+        return lax.mul(x, one)
+
+    def hidden(x: Any) -> jax.Array:
+        barred: jax.Array = lax.optimization_barrier(x)  # type: ignore[no-untyped-call]
+        return barred
+
+    out: jax.Array = lax.platform_dependent(x, cpu=hidden, default=times_one)
+    return out
