@@ -27,13 +27,17 @@ Three tables, each a ratio to ``mixed_bfloat16``:
   (`harness.kernels`), for ``mixed_bfloat16`` and float8 residuals, with and
   without the attention's softmax (the residual whose storing costs most).
 
-XLA:CPU removes optimization barriers before it schedules and fuses, so on the
-CPU the library orders float8 residuals' loads through a conditional instead
-(``residuals/_transform._in_order_on_cpu``). With the barrier alone (f56b00a),
-XLA:CPU fused each load into the forward pass's store and kept the wide result:
-``scale_lm``'s recipe took 0.60x ``mixed_bfloat16``'s memory per device on 8 CPU
-devices (0.635x on the commit before the conditional, 14.3 MB), 0.40x with it;
-the example LM's step temporaries per token 0.91x, 0.50x with it. The deviceless H100 compile
+XLA:CPU removes optimization barriers after it folds constants and before it
+schedules and fuses, so on the CPU the library orders float8 residuals' loads
+through a conditional instead (``residuals/_transform._in_order_on_cpu``), and
+``formats.unfoldable`` hides an operand itself rather than a one it multiplies by
+(which became a constant broadcast, written whole and kept from the forward pass
+to the backward). With the barriers alone (f56b00a), XLA:CPU fused each load into
+the forward pass's store and kept the wide result: ``scale_lm``'s recipe took
+0.60x ``mixed_bfloat16``'s memory per device on 8 CPU devices (0.635x on the
+commit before the conditional, 14.3 MB), 0.40x with the conditional (9.0 MB),
+0.30x with both (6.9 MB); the example LM's step temporaries per token 0.91x, 0.50x
+with them. The deviceless H100 compile
 cannot tile the example LM's float32 products for Triton's GEMMs, so the
 example LM's H100 figures are compiled with ``xla_gpu_enable_triton_gemm``
 off (cuBLAS GEMMs), except where cuBLAS refuses a product (the block-scaled
