@@ -6,7 +6,6 @@ with residuals as computed, never equal to it (something was quantized), and far
 from it when a scale is lost.
 """
 
-import functools
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from support.checkpointed_stack import SAVED_PRODUCTS_BYTES, checkpointed_stack
 from support.jaxpr_walk import TANH_DERIVATIVE, checkpointed_backward, is_product, products_before
 
 import jmp_policy
@@ -386,26 +386,12 @@ def test_a_checkpointed_layer_recomputes_its_attention_after_its_mlps_backward_p
 def test_float8_residuals_of_checkpointed_layers_shrink_the_step_on_xla_cpu():
     """XLA:CPU removes optimization barriers: the loads must be ordered another way, or it
     fuses each into the forward pass's store and keeps the wide result (the step's
-    temporaries did not fall at all). As test_xla_gpu's test for an H100: four
-    checkpointed GELU layers, their saved products in float8."""
-    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-
-    @functools.partial(jax.checkpoint, policy=policy)
-    def layer(x, w1, w2):
-        return x + jax.nn.gelu(jax.nn.standardize(x, axis=-1) @ w1) @ w2
-
-    def loss(ws, x):
-        for w1, w2 in ws:
-            x = layer(x, w1, w2)
-        return jnp.mean(x ** 2)
-
-    spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    args = ([(spec(256, 1024), spec(1024, 256))] * 4, spec(2048, 256))
-    temp = {r: jax.jit(jax.grad(jmp_policy.autocast(loss, "mixed_bfloat16", residuals=r)))
-            .lower(*args).compile().memory_analysis().temp_size_in_bytes
-            for r in (None, "float8")}
-    saving = 4 * 2048 * (1024 + 256) * (2 - 1)  # the saved products, bfloat16 -> float8
-    assert temp[None] - temp["float8"] >= 0.75 * saving, temp
+    temporaries did not fall at all). As test_xla_gpu's test for an H100."""
+    temp = {}
+    for residuals in (None, "float8"):
+        fn, args = checkpointed_stack(residuals)
+        temp[residuals] = jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert temp[None] - temp["float8"] >= 0.75 * SAVED_PRODUCTS_BYTES, temp
 
 
 @pytest.mark.slow  # integration with the recipes, modules and meshes
