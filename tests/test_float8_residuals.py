@@ -385,8 +385,8 @@ def test_a_checkpointed_layer_recomputes_its_attention_after_its_mlps_backward_p
 @pytest.mark.slow  # two compiles of a four-layer step
 def test_float8_residuals_of_checkpointed_layers_shrink_the_step_on_xla_cpu():
     """XLA:CPU removes optimization barriers: the loads must be ordered another way, or it
-    fuses each into the forward pass's store and keeps the wide result (the step's
-    temporaries did not fall at all). As test_xla_gpu's test for an H100."""
+    fuses each into the forward pass's store and keeps the wide result. As
+    test_xla_gpu's test for an H100."""
     temp = {}
     for residuals in (None, "float8"):
         fn, args = checkpointed_stack(residuals)

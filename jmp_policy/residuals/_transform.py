@@ -22,7 +22,6 @@ True
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 from typing import Any, Callable, Collection, Optional, Sequence, Union
 
@@ -185,7 +184,7 @@ def _backward_pass(vjp_tree: Any, found: Plan, layout: tuple[Any, ...], arrays: 
     XLA:CPU, a conditional) with a value the backward pass computes just before: XLA
     cannot load them earlier.
     """
-    loader = _Loader(found, layout, arrays)
+    loader = _Loader.of(found, layout, arrays)
 
     def run(kept: list[Any], cts: list[Any]) -> Any:
         return jax.tree_util.tree_unflatten(vjp_tree, kept)(cts)
@@ -202,15 +201,23 @@ class _Loader:
     """The residuals of a `Plan` in the backward pass: `fetch` hands over the float8
     arrays that some of them are made from, `make` loads those and recomputes them."""
 
-    def __init__(self, found: Plan, layout: tuple[Any, ...], arrays: list[Any]) -> None:
-        self.made = Recompute(found)
-        self.made.env.update(zip(found.inputs, arrays[len(layout):]))
-        self.stored: dict[Any, tuple[Stored, tuple[tuple[int, ...], Any]]] = {}
+    def __init__(self, made: Recompute,
+                 stored: dict[Any, tuple[Stored, tuple[tuple[int, ...], Any]]]) -> None:
+        self.made, self.stored = made, stored  # stored: root -> (float8 arrays, shape, dtype)
+
+    @classmethod
+    def of(cls, found: Plan, layout: tuple[Any, ...], arrays: list[Any]) -> _Loader:
+        """The loader of what the forward rule handed over: ``arrays`` as `_store` laid
+        them out (``layout``), then the plan's inputs."""
+        made = Recompute(found)
+        made.env.update(zip(found.inputs, arrays[len(layout):]))
+        stored = {}
         for root, (i, form) in zip(found.roots, layout):
             if form is None:
-                self.made.env[root] = arrays[i]
+                made.env[root] = arrays[i]
             else:
-                self.stored[root] = (arrays[i], form)
+                stored[root] = (arrays[i], form)
+        return cls(made, stored)
 
     def fetch(self, wanted: Sequence[Any], after: Any) -> tuple[_Fetched, Any]:
         """The float8 arrays that ``wanted`` are made from, after ``after`` (returned as it
@@ -231,10 +238,8 @@ class _Loader:
     def inside(self, fetched: _Fetched) -> _Loader:
         """A loader for a call's body, to which ``fetched`` is passed: what it loads and
         recomputes there stays there."""
-        body = copy.copy(self)
-        body.made = self.made.fork()
-        body.stored = {r: (values, self.stored[r][1]) for r, values in zip(*fetched)}
-        return body
+        return _Loader(self.made.fork(),
+                       {r: (values, self.stored[r][1]) for r, values in zip(*fetched)})
 
 
 def _in_order(values: Any) -> Any:
